@@ -1,0 +1,17 @@
+"""hyper_parallel: HyperParallel's ``fully_shard`` API implemented on PyTorch (DTensor, c10d)."""
+
+from hyper_parallel.core.fully_shard.api import HSDPModule, UnshardHandle, fully_shard
+from hyper_parallel.core.fully_shard.utils import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
+
+__all__ = [
+    "fully_shard",
+    "HSDPModule",
+    "UnshardHandle",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+]

@@ -1,0 +1,1 @@
+"""The API layer: ``fully_shard``, ``HSDPModule``, policies and argument checks."""

@@ -1,0 +1,411 @@
+"""``fully_shard`` and ``HSDPModule``: the public API, its argument checks and its policies.
+
+Every argument is checked before any module is changed, so a bad call leaves the model as
+it was. The mechanics (params, groups, hooks, collectives) live in
+``hyper_parallel.platform.torch.fully_shard``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, overload
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from hyper_parallel.platform.torch.fully_shard.mesh_info import (
+    default_mesh,
+    device_of,
+    mesh_info_of,
+)
+from hyper_parallel.platform.torch.fully_shard.param import HSDPParam, ModuleSlot
+from hyper_parallel.platform.torch.fully_shard.param_group import HSDPParamGroup, UnshardHandle
+from hyper_parallel.platform.torch.fully_shard.state import HSDPState
+
+from .utils import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = ["fully_shard", "HSDPModule", "UnshardHandle"]
+
+_STATE_ATTR = "_hsdp_state"
+_REDUCE_OP_TYPES = ("sum", "avg")
+
+
+def _state_of(module: nn.Module) -> HSDPState | None:
+    return module.__dict__.get(_STATE_ATTR)
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+class HSDPModule:
+    """Mixed into every module given to ``fully_shard``; controls its group and those below."""
+
+    def _hsdp_states(self, recurse: bool = True) -> list[HSDPState]:
+        if not recurse:
+            return [_state_of(self)]
+        return [s for m in self.modules() if (s := _state_of(m)) is not None]
+
+    def _groups(self, recurse: bool = True) -> list[HSDPParamGroup]:
+        return [s.param_group for s in self._hsdp_states(recurse) if s.param_group is not None]
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward does not communicate; unsharded grads accumulate until a True backward."""
+        _check_bool("requires_gradient_sync", requires_gradient_sync)
+        _check_bool("recurse", recurse)
+        for group in self._groups(recurse):
+            group.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP only: False skips the all-reduce over the replicate dim (reduce-scatter still runs)."""
+        _check_bool("requires_all_reduce", requires_all_reduce)
+        _check_bool("recurse", recurse)
+        for group in self._groups(recurse):
+            group.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Free (True) or keep (False) the unsharded params after forward, from the next forward on."""
+        _check_bool("reshard_after_forward", reshard_after_forward)
+        _check_bool("recurse", recurse)
+        for state in self._hsdp_states(recurse):
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, recurse: bool = True) -> None:
+        """Free (True) or keep (False) the unsharded params after backward, from the next one on."""
+        _check_bool("reshard_after_backward", reshard_after_backward)
+        _check_bool("recurse", recurse)
+        for group in self._groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
+
+    def set_reduce_op_type(self, reduce_op_type: str, *, recurse: bool = True) -> None:
+        """Gradient reduction op: ``"avg"`` (default) or ``"sum"`` over the data-parallel ranks."""
+        if not isinstance(reduce_op_type, str) or reduce_op_type.lower() not in _REDUCE_OP_TYPES:
+            raise ValueError(f"reduce_op_type must be one of {_REDUCE_OP_TYPES}, got {reduce_op_type!r}")
+        _check_bool("recurse", recurse)
+        for group in self._groups(recurse):
+            group.reduce_op = reduce_op_type.lower()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """False: the next backwards leave their reductions in flight (pipeline microbatches);
+        the backward after ``set_is_last_backward(True)`` lands them all in the grads."""
+        _check_bool("is_last_backward", is_last_backward)
+        for state in self._hsdp_states():
+            state.is_last_backward = is_last_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[HSDPModule]) -> None:
+        """Start these modules' all-gathers, in this order, when this module's forward starts."""
+        _state_of(self).forward_prefetch = _prefetch_states("modules", modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[HSDPModule]) -> None:
+        """Start these modules' all-gathers, in this order, when this module's backward starts."""
+        _state_of(self).backward_prefetch = _prefetch_states("modules", modules)
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this module's params now; with ``async_op`` return a handle to ``wait()`` on."""
+        _check_bool("async_op", async_op)
+        group = _state_of(self).param_group
+        if group is not None:
+            group.unshard(async_op=async_op)
+        handle = UnshardHandle(group)
+        if not async_op:
+            handle.wait()
+            return None
+        return handle
+
+    def reshard(self) -> None:
+        """Free this module's unsharded params (idempotent)."""
+        group = _state_of(self).param_group
+        if group is not None:
+            group.reshard()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear grads, main grads and locally accumulated unsharded grads of every group below."""
+        _check_bool("set_to_none", set_to_none)
+        for group in self._groups():
+            group.zero_grad(set_to_none)
+        nn.Module.zero_grad(self, set_to_none)  # params the groups do not manage (ignored)
+
+
+def _prefetch_states(name: str, modules: object) -> list[HSDPState]:
+    if not isinstance(modules, (list, tuple)):
+        raise TypeError(f"{name} must be a list of HSDPModules, got {type(modules).__name__}")
+    states = []
+    for module in modules:
+        state = _state_of(module) if isinstance(module, nn.Module) else None
+        if state is None:
+            raise TypeError(f"{name} must contain only modules given to fully_shard, got {module!r}")
+        states.append(state)
+    return states
+
+
+# -- fully_shard ----------------------------------------------------------------------------
+@overload
+def fully_shard(module: nn.Module, **kwargs: Any) -> HSDPModule: ...
+@overload
+def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[HSDPModule]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    ignored_params: Iterable[nn.Parameter] | None = None,
+    replicate_params: Iterable[nn.Parameter] | None = None,
+    comm_fusion: bool = True,
+    device: torch.device | str | None = None,
+) -> HSDPModule | list[HSDPModule]:
+    """Shard ``module``'s params over ``mesh`` (1-D: FSDP, 2-D: HSDP) and hook its forward.
+
+    A list shards each module as its own independently controlled group and returns a list.
+    See DESIGN.md section 3 for every argument.
+    """
+    modules = _check_modules(module)
+    mesh = _check_mesh(mesh)
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            "reshard_after_forward must be True, False or None; int values (reshard to a "
+            f"smaller mesh) are not supported, got {reshard_after_forward!r}"
+        )
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(f"shard_placement_fn must be callable or None, got {shard_placement_fn!r}")
+    mp_policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    offload_policy = OffloadPolicy() if offload_policy is None else offload_policy
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
+    _check_bool("comm_fusion", comm_fusion)
+    device = _check_device(device, mesh)
+    ignored = _check_param_set("ignored_params", ignored_params, modules)
+    replicated = _check_param_set("replicate_params", replicate_params, modules)
+    if both := ignored & replicated:
+        raise ValueError(f"{len(both)} param(s) are in both ignored_params and replicate_params")
+    plans = [_plan_module(m, mesh, shard_placement_fn, mp_policy, ignored, replicated) for m in modules]
+    _check_disjoint(modules, plans)
+    sharded = [
+        _apply(m, plan, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion, device, ignored)
+        for m, plan in zip(modules, plans, strict=True)
+    ]
+    return sharded if isinstance(module, (list, tuple)) else sharded[0]
+
+
+def _check_modules(module: object) -> list[nn.Module]:
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("module must be an nn.Module or a non-empty list of them")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"module must be an nn.Module or a list of them, got {type(m).__name__}")
+        if _state_of(m) is not None:
+            raise ValueError(f"module {type(m).__name__} was already given to fully_shard")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("module lists the same module twice")
+    return modules
+
+
+def _check_mesh(mesh: object) -> DeviceMesh:
+    if mesh is None:
+        return default_mesh()
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"mesh must be 1-D (FSDP) or 2-D (HSDP: replicate, shard), got {mesh.ndim}-D")
+    return mesh
+
+
+def _check_device(device: object, mesh: DeviceMesh) -> torch.device:
+    if device is None:
+        return device_of(mesh)
+    try:
+        resolved = torch.device(device)
+    except (TypeError, RuntimeError) as exc:
+        raise TypeError(f"device must be a torch.device or device string, got {device!r}") from exc
+    if resolved.type != mesh.device_type:
+        raise ValueError(f"device {resolved} does not match the mesh's device type {mesh.device_type}")
+    if resolved.type != "cpu" and resolved.index is None:
+        resolved = device_of(mesh)
+    return resolved
+
+
+def _check_param_set(name: str, params: Iterable[nn.Parameter] | None, modules: list[nn.Module]) -> set[int]:
+    if params is None:
+        return set()
+    if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
+        raise TypeError(f"{name} must be an iterable of parameters, got {type(params).__name__}")
+    owned = {id(p) for m in modules for p in m.parameters()}
+    ids = set()
+    for p in params:
+        if not isinstance(p, nn.Parameter):
+            raise TypeError(f"{name} must contain only nn.Parameters, got {type(p).__name__}")
+        if id(p) not in owned:
+            raise ValueError(f"{name} contains a parameter of shape {tuple(p.shape)} not in module")
+        ids.add(id(p))
+    return ids
+
+
+class _ModulePlan:
+    """What ``fully_shard`` will manage for one module, computed before anything changes."""
+
+    def __init__(self) -> None:
+        self.params: list[nn.Parameter] = []
+        self.slots: dict[int, list[ModuleSlot]] = {}
+        self.placements: dict[int, Placement] = {}
+
+
+def _plan_module(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None,
+    mp_policy: MixedPrecisionPolicy,
+    ignored: set[int],
+    replicated: set[int],
+) -> _ModulePlan:
+    plan = _ModulePlan()
+    ignored = ignored | _ignored_below(module)
+    managed_below = _params_managed_below(module)
+    for owner, name, param in _params_outside_groups(module):
+        if id(param) in ignored:
+            continue
+        if id(param) in managed_below:
+            raise ValueError(
+                f"parameter {name!r} of {type(owner).__name__} is tied to a parameter of a "
+                "module already given to fully_shard; shard their common parent instead"
+            )
+        if isinstance(param, DTensor):
+            raise NotImplementedError(
+                f"parameter {name!r} is already a DTensor (tensor parallel); fully_shard on "
+                "DTensor params is not supported yet"
+            )
+        if id(param) not in plan.slots:
+            plan.params.append(param)
+            plan.slots[id(param)] = []
+            plan.placements[id(param)] = _placement_of(
+                param, name, shard_placement_fn, id(param) in replicated
+            )
+        plan.slots[id(param)].append((owner, name))
+    if mp_policy.apply_grad_on_fp32_main_grad:
+        for param in plan.params:
+            if param.is_floating_point() and param.dtype != torch.float32:
+                raise ValueError(
+                    "mp_policy.apply_grad_on_fp32_main_grad needs fp32 params (param.grad is the "
+                    f"fp32 main grad), got a {param.dtype} param of shape {tuple(param.shape)}"
+                )
+    return plan
+
+
+def _params_outside_groups(module: nn.Module) -> Iterable[tuple[nn.Module, str, nn.Parameter]]:
+    """Params registered on module and its descendants, not below an already sharded module."""
+    stack = [module]
+    while stack:
+        owner = stack.pop()
+        for name, param in owner._parameters.items():
+            if param is not None:
+                yield owner, name, param
+        stack.extend(child for child in reversed(list(owner.children())) if _state_of(child) is None)
+
+
+def _params_managed_below(module: nn.Module) -> set[int]:
+    ids = set()
+    for sub in module.modules():
+        state = _state_of(sub)
+        if state is not None and sub is not module and state.param_group is not None:
+            for p in state.param_group.params:
+                ids.add(id(p.sharded_param))
+                ids.add(id(p.unsharded_param))
+    return ids
+
+
+def _ignored_below(module: nn.Module) -> set[int]:
+    return {
+        pid for sub in module.modules() if (s := _state_of(sub)) is not None for pid in s.ignored_param_ids
+    }
+
+
+def _placement_of(
+    param: nn.Parameter,
+    name: str,
+    shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None,
+    is_replicated: bool,
+) -> Placement:
+    if is_replicated:
+        return Replicate()
+    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if placement is None:
+        return Shard(0) if param.ndim else Replicate()
+    if isinstance(placement, Replicate):
+        return placement
+    if isinstance(placement, Shard) and type(placement) is Shard:
+        if not -param.ndim <= placement.dim < max(param.ndim, 1) or param.ndim == 0:
+            raise ValueError(
+                f"shard_placement_fn returned Shard({placement.dim}) for {name!r} of shape "
+                f"{tuple(param.shape)}: dim out of range"
+            )
+        return Shard(placement.dim % param.ndim)
+    raise ValueError(
+        f"shard_placement_fn must return Shard(dim), Replicate() or None, got {placement!r} for {name!r}"
+    )
+
+
+def _check_disjoint(modules: list[nn.Module], plans: list[_ModulePlan]) -> None:
+    seen: dict[int, int] = {}
+    for index, plan in enumerate(plans):
+        for param in plan.params:
+            if id(param) in seen:
+                raise ValueError(
+                    f"modules {seen[id(param)]} and {index} of the list share a parameter of shape "
+                    f"{tuple(param.shape)}; shard their common parent instead"
+                )
+            seen[id(param)] = index
+
+
+def _apply(
+    module: nn.Module,
+    plan: _ModulePlan,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool | None,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    comm_fusion: bool,
+    device: torch.device,
+    ignored: set[int],
+) -> HSDPModule:
+    info = mesh_info_of(mesh)
+    offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
+    params = [
+        HSDPParam(p, plan.slots[id(p)], plan.placements[id(p)], info, device, mp_policy, offload)
+        for p in plan.params
+    ]
+    for param in params:
+        param.use_sharded()
+    group = HSDPParamGroup(params, info, comm_fusion) if params else None
+    _move_buffers(module, device)
+    state = HSDPState(module, group, mp_policy, reshard_after_forward, ignored)
+    module.__dict__[_STATE_ATTR] = state
+    module.__class__ = _hsdp_class(type(module))
+    return module
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and buf.device != device:
+                sub._buffers[name] = buf.to(device)
+
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def _hsdp_class(cls: type) -> type:
+    """``HSDP<cls>``: the module's class with ``HSDPModule`` mixed in first."""
+    if issubclass(cls, HSDPModule):
+        return cls
+    if cls not in _CLASS_CACHE:
+        _CLASS_CACHE[cls] = type(f"HSDP{cls.__name__}", (HSDPModule, cls), {})
+    return _CLASS_CACHE[cls]

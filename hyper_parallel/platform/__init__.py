@@ -1,0 +1,1 @@
+"""Mechanics on PyTorch."""

@@ -1,0 +1,1 @@
+"""Mechanics on PyTorch: DeviceMesh, DTensor and c10d collectives."""

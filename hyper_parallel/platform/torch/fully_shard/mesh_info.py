@@ -1,0 +1,60 @@
+"""How a group's mesh splits into a shard dimension and (for HSDP) a replicate dimension."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Placement, Replicate
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """A 1-D mesh shards over its only dim; a 2-D mesh replicates over dim 0, shards over dim 1."""
+
+    mesh: DeviceMesh
+    shard_group: ProcessGroup
+    shard_size: int
+    shard_rank: int
+    replicate_group: ProcessGroup | None
+    replicate_size: int
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.replicate_group is not None
+
+    def placements(self, inner: Placement) -> tuple[Placement, ...]:
+        """DTensor placements on the mesh for a param placed as ``inner`` on the shard dim."""
+        return (Replicate(), inner) if self.is_hsdp else (inner,)
+
+
+def default_mesh() -> DeviceMesh:
+    """A 1-D mesh over the whole world on the default device type (cuda when present)."""
+    if not torch.distributed.is_initialized():
+        raise RuntimeError("fully_shard(mesh=None) needs torch.distributed to be initialized")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+
+
+def mesh_info_of(mesh: DeviceMesh) -> MeshInfo:
+    """Split a validated 1-D or 2-D mesh into its shard and replicate process groups."""
+    if mesh.ndim == 1:
+        return MeshInfo(mesh, mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0), None, 1)
+    return MeshInfo(
+        mesh,
+        shard_group=mesh.get_group(1),
+        shard_size=mesh.size(1),
+        shard_rank=mesh.get_local_rank(1),
+        replicate_group=mesh.get_group(0),
+        replicate_size=mesh.size(0),
+    )
+
+
+def device_of(mesh: DeviceMesh) -> torch.device:
+    """The compute device this rank uses for a mesh of the given device type."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())

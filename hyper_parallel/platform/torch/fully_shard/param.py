@@ -1,0 +1,295 @@
+"""One managed parameter: its sharded DTensor, its unsharded compute tensor, and its grads.
+
+Layout. A param sharded on dim ``d`` over ``W`` ranks is cut like ``torch.chunk``: every
+rank's chunk has ``c = ceil(n / W)`` rows of dim ``d`` except the last ones, which may be
+shorter or empty. That is exactly DTensor's ``Shard(d)`` layout, so the sharded param is a
+real DTensor that optimizers, ``clip_grad_norm_`` and checkpointing understand. For
+communication every chunk is padded to ``c`` rows, so all ranks send equal-sized buffers;
+the padding never reaches the params or grads.
+
+Unsharded storage. The compute param is one ``nn.Parameter`` of full shape that lives for
+the module's lifetime; resharding frees its storage (resize to 0) and unsharding refills it.
+Keeping the same tensor object lets autograd's saved tensors (and activation checkpoint
+recomputation) see the refilled data without re-registering anything.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from hyper_parallel.core.fully_shard.utils import CPUOffloadPolicy, MixedPrecisionPolicy
+
+from .mesh_info import MeshInfo
+
+ModuleSlot = tuple[nn.Module, str]
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _alloc_storage(tensor: torch.Tensor) -> None:
+    size = tensor.numel() * tensor.element_size()
+    storage = tensor.untyped_storage()
+    if storage.size() != size:
+        storage.resize_(size)
+
+
+def _free_storage(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def set_module_param(module: nn.Module, name: str, param: torch.Tensor) -> None:
+    """Swap a registered param without ``nn.Module.__setattr__``'s checks (hot path)."""
+    if getattr(module.__setattr__, "__func__", None) is nn.Module.__setattr__:
+        module._parameters[name] = param
+    else:
+        setattr(module, name, param)
+
+
+class HSDPParam:
+    """A param of one group, placed ``Shard(dim)`` or ``Replicate()`` on the shard mesh dim."""
+
+    def __init__(
+        self,
+        param: nn.Parameter,
+        slots: list[ModuleSlot],
+        placement: Shard | Replicate,
+        mesh_info: MeshInfo,
+        device: torch.device,
+        mp_policy: MixedPrecisionPolicy,
+        offload_to_cpu: CPUOffloadPolicy | None,
+    ) -> None:
+        self.slots = slots
+        self.mesh_info = mesh_info
+        self.device = device
+        self.full_shape = param.shape
+        self.orig_dtype = param.dtype
+        floating = param.is_floating_point()
+        self.param_dtype = (mp_policy.param_dtype if floating else None) or param.dtype
+        self.reduce_dtype = (mp_policy.reduce_dtype if floating else None) or self.param_dtype
+        self.use_main_grad = mp_policy.apply_grad_on_fp32_main_grad and floating
+        self.shard_device = torch.device("cpu") if offload_to_cpu is not None else device
+        self.pin_memory = offload_to_cpu is not None and offload_to_cpu.pin_memory and device.type != "cpu"
+        self.is_replicated = isinstance(placement, Replicate) or param.ndim == 0
+        self.dim = 0 if self.is_replicated else placement.dim % param.ndim
+        world = 1 if self.is_replicated else mesh_info.shard_size
+        rows = param.shape[self.dim] if param.ndim else 1
+        self.chunk = math.ceil(rows / world) if rows else 0
+        self.world = world
+        self.padded_shard_shape = self._shard_shape(self.chunk)
+        self.padded_shard_numel = math.prod(self.padded_shard_shape)
+        self._init_sharded(param)
+        self._init_unsharded(param)
+        # Grads taken off the unsharded param and not yet reduced (accumulation without sync).
+        self.unreduced_grad: torch.Tensor | None = None
+        self._gathered_version = (-1, -1)
+
+    # -- layout -------------------------------------------------------------------------
+    def _shard_shape(self, rows: int) -> torch.Size:
+        if self.is_replicated:
+            return self.full_shape
+        shape = list(self.full_shape)
+        shape[self.dim] = rows
+        return torch.Size(shape)
+
+    def rows_of(self, rank: int) -> int:
+        """Rows of the shard dim held by ``rank`` (torch.chunk semantics)."""
+        if self.is_replicated:
+            return self.full_shape[0] if self.full_shape else 1
+        total = self.full_shape[self.dim]
+        return max(0, min(total, (rank + 1) * self.chunk) - rank * self.chunk)
+
+    @property
+    def has_padding(self) -> bool:
+        return not self.is_replicated and self.chunk * self.world != self.full_shape[self.dim]
+
+    # -- sharded side ---------------------------------------------------------------------
+    def _init_sharded(self, param: nn.Parameter) -> None:
+        with torch.no_grad():
+            src = param.detach()
+            if not self.is_replicated:
+                rank = self.mesh_info.shard_rank
+                start = min(rank * self.chunk, self.full_shape[self.dim])  # empty chunks at the end
+                src = src.narrow(self.dim, start, self.rows_of(rank))
+            local = torch.empty(src.shape, dtype=src.dtype, device=self.shard_device)
+            if self.pin_memory:
+                local = local.pin_memory()
+            local.copy_(src)
+            placement = Replicate() if self.is_replicated else Shard(self.dim)
+            self.placements = self.mesh_info.placements(placement)
+            dtensor = DTensor.from_local(
+                local,
+                self.mesh_info.mesh,
+                self.placements,
+                run_check=False,
+                shape=self.full_shape,
+                stride=_contiguous_stride(self.full_shape),
+            )
+        self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+    @property
+    def local_shard(self) -> torch.Tensor:
+        """This rank's shard: the tensor optimizers update in place."""
+        return self.sharded_param._local_tensor
+
+    def to_dtensor(self, local: torch.Tensor) -> DTensor:
+        """Wrap a local tensor laid out like this param's shard as a DTensor like the param."""
+        return DTensor.from_local(
+            local,
+            self.mesh_info.mesh,
+            self.placements,
+            run_check=False,
+            shape=self.full_shape,
+            stride=_contiguous_stride(self.full_shape),
+        )
+
+    def use_sharded(self) -> None:
+        for module, name in self.slots:
+            set_module_param(module, name, self.sharded_param)
+
+    # -- unsharded side -------------------------------------------------------------------
+    def _init_unsharded(self, param: nn.Parameter) -> None:
+        # A replicated param that needs no cast nor move is its own compute param: no copy.
+        self.aliases_shard = (
+            self.is_replicated and self.param_dtype == self.orig_dtype and self.shard_device == self.device
+        )
+        if self.aliases_shard:
+            data = self.local_shard
+        else:
+            data = torch.empty(self.full_shape, dtype=self.param_dtype, device=self.device)
+            _free_storage(data)
+        self.unsharded_param = nn.Parameter(data, requires_grad=param.requires_grad)
+
+    def use_unsharded(self) -> None:
+        for module, name in self.slots:
+            set_module_param(module, name, self.unsharded_param)
+
+    def alloc_unsharded(self) -> None:
+        if not self.aliases_shard:
+            _alloc_storage(self.unsharded_param)
+
+    def free_unsharded(self) -> None:
+        if not self.aliases_shard:
+            _free_storage(self.unsharded_param)
+
+    def _shard_version(self) -> tuple[int, int]:
+        # In-place ops through the DTensor (optimizers, loads) bump the DTensor's counter only;
+        # ops on the local tensor bump the local one: watch both.
+        return self.sharded_param._version, self.local_shard._version
+
+    def note_gathered(self) -> None:
+        """Remember the shard's version, to notice an optimizer step made the copy stale."""
+        self._gathered_version = self._shard_version()
+
+    @property
+    def is_stale(self) -> bool:
+        return not self.aliases_shard and self._shard_version() != self._gathered_version
+
+    def hidden_writes(self) -> torch.autograd._unsafe_preserve_version_counter:
+        """Refilling the unsharded param restores data autograd saved, it is not a mutation:
+        keep its version counter so saved-tensor checks still hold in backward."""
+        return torch.autograd._unsafe_preserve_version_counter(self.unsharded_param)
+
+    def copy_replicated_in(self) -> None:
+        """Unshard a replicated param: a cast/move copy of the full local tensor."""
+        if not self.aliases_shard:
+            with torch.no_grad(), self.hidden_writes():
+                self.unsharded_param.copy_(self.local_shard)
+
+    def copy_shard_into(self, flat: torch.Tensor) -> None:
+        """Write this rank's shard, cast to the compute dtype, into an all-gather input."""
+        rows = self.rows_of(self.mesh_info.shard_rank)
+        if rows:
+            view = flat.view(self.padded_shard_shape).narrow(self.dim, 0, rows)
+            view.copy_(self.local_shard)
+
+    @property
+    def gathers_in_place(self) -> bool:
+        """Dim-0 shards without padding all-gather straight into the unsharded param."""
+        return self.dim == 0 and not self.has_padding
+
+    def copy_gathered_out(self, gathered: torch.Tensor) -> None:
+        """Fill the unsharded param from an all-gather output viewed as [world, padded numel]."""
+        with torch.no_grad(), self.hidden_writes():
+            for rank in range(self.world):
+                rows = self.rows_of(rank)
+                if rows:
+                    src = gathered[rank].view(self.padded_shard_shape).narrow(self.dim, 0, rows)
+                    dst = self.unsharded_param.narrow(self.dim, rank * self.chunk, rows)
+                    dst.copy_(src)
+
+    # -- gradients ------------------------------------------------------------------------
+    def take_unsharded_grad(self) -> None:
+        """Move autograd's grad off the unsharded param into the unreduced accumulator.
+
+        Accumulation happens in the reduce dtype, so bf16 compute with fp32 reduction
+        accumulates micro-batches in fp32.
+        """
+        grad = self.unsharded_param.grad
+        if grad is None:
+            return
+        self.unsharded_param.grad = None
+        if self.unreduced_grad is None:
+            self.unreduced_grad = grad if grad.dtype == self.reduce_dtype else grad.to(self.reduce_dtype)
+        else:
+            self.unreduced_grad.add_(grad)
+
+    def copy_grad_into(self, buffer: torch.Tensor, grad: torch.Tensor) -> None:
+        """Write a full grad into a reduce-scatter input viewed as [world, padded numel]."""
+        for rank in range(self.world):
+            rows = self.rows_of(rank)
+            chunk = buffer[rank].view(self.padded_shard_shape)
+            if rows:
+                chunk.narrow(self.dim, 0, rows).copy_(grad.narrow(self.dim, rank * self.chunk, rows))
+            if rows < self.chunk:
+                chunk.narrow(self.dim, rows, self.chunk - rows).zero_()
+
+    def shard_of_reduced(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's unpadded grad shard inside a reduce-scatter output."""
+        if self.is_replicated:
+            return flat.view(self.full_shape)
+        rows = self.rows_of(self.mesh_info.shard_rank)
+        return flat.view(self.padded_shard_shape).narrow(self.dim, 0, rows)
+
+    def apply_reduced_grad(self, reduced: torch.Tensor) -> None:
+        """Accumulate a reduced grad shard into ``param.grad`` (or the fp32 main grad)."""
+        param = self.sharded_param
+        target_dtype = torch.float32 if self.use_main_grad else self.orig_dtype
+        current = param.grad
+        if current is not None:
+            current._local_tensor.add_(reduced.to(self.shard_device))
+            return
+        main = getattr(param, "main_grad", None) if self.use_main_grad else None
+        if main is not None:
+            main._local_tensor.copy_(reduced)
+        else:
+            local = torch.empty(reduced.shape, dtype=target_dtype, device=self.shard_device)
+            local.copy_(reduced)
+            main = self.to_dtensor(local)
+            if self.use_main_grad:
+                param.main_grad = main
+        param.grad = main
+
+    def clear_grads(self, set_to_none: bool) -> None:
+        """Drop unreduced grads and clear (or zero) the sharded grad and main grad."""
+        self.unreduced_grad = None
+        self.unsharded_param.grad = None
+        param = self.sharded_param
+        main = getattr(param, "main_grad", None)
+        if main is not None:
+            main._local_tensor.zero_()
+        if set_to_none:
+            param.grad = None
+        elif param.grad is not None:
+            param.grad._local_tensor.zero_()

@@ -1,0 +1,135 @@
+"""The params of one ``fully_shard`` call, unsharded and reduced together.
+
+Sharded-ness is a small state machine::
+
+    SHARDED --unshard()--> UNSHARDING --wait--> UNSHARDED --reshard()--> SHARDED
+
+The module's registered params follow it: the sharded DTensors while SHARDED, the
+unsharded compute tensors once UNSHARDED. Gradient reductions are started in
+post-backward and finished (applied to the sharded grads) by ``finish_reductions``, which
+the end of the last backward calls; ``set_is_last_backward(False)`` defers that.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from .collectives import AllGather, Reduction, start_all_gather, start_reduction
+from .mesh_info import MeshInfo
+from .param import HSDPParam
+
+
+class ShardedState(Enum):
+    SHARDED = auto()
+    UNSHARDING = auto()
+    UNSHARDED = auto()
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``: ``wait()`` makes the full params usable."""
+
+    def __init__(self, group: HSDPParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_for_unshard()
+
+
+class HSDPParamGroup:
+    """Communication and sharded/unsharded state of one group's params."""
+
+    def __init__(self, params: list[HSDPParam], mesh_info: MeshInfo, comm_fusion: bool) -> None:
+        self.params = params
+        self.mesh_info = mesh_info
+        self.comm_fusion = comm_fusion
+        self.state = ShardedState.SHARDED
+        self._all_gather: AllGather | None = None
+        self._reductions: list[Reduction] = []
+        # True from a forward until the post-backward that consumes it.
+        self.used_since_post_backward = False
+        # Controls (HSDPModule setters); take effect at the next forward / backward.
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.reduce_op = "avg"
+
+    # -- unshard / reshard --------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Start gathering the full params; idempotent while unsharding or unsharded."""
+        if self.state is ShardedState.UNSHARDED and self.is_stale:
+            self.reshard()
+        if self.state is not ShardedState.SHARDED:
+            return
+        self._all_gather = start_all_gather(self.params, self.mesh_info, self.comm_fusion, async_op=async_op)
+        self.state = ShardedState.UNSHARDING
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        if self.state is not ShardedState.UNSHARDING:
+            return
+        self._all_gather.wait()
+        self._all_gather = None
+        for param in self.params:
+            param.use_unsharded()
+        self.state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded params and register the sharded ones; idempotent."""
+        if self.state is ShardedState.UNSHARDING:
+            self.wait_for_unshard()
+        if self.state is ShardedState.SHARDED:
+            return
+        for param in self.params:
+            param.use_sharded()
+            param.free_unsharded()
+        self.state = ShardedState.SHARDED
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self.state is ShardedState.UNSHARDED
+
+    @property
+    def is_stale(self) -> bool:
+        """An optimizer step (or load) changed the shards since they were gathered."""
+        return any(p.is_stale for p in self.params)
+
+    # -- gradients ------------------------------------------------------------------------
+    @property
+    def has_unreduced_grads(self) -> bool:
+        return any(p.unsharded_param.grad is not None for p in self.params)
+
+    def post_backward(self) -> None:
+        """Take this backward's grads, start reducing them if syncing, and reshard."""
+        self.used_since_post_backward = False
+        for param in self.params:
+            param.take_unsharded_grad()
+        if self.requires_gradient_sync:
+            ready = [p for p in self.params if p.unreduced_grad is not None]
+            if ready:
+                # Keep per-group order of accumulation: the previous reduction lands first.
+                self.finish_reductions()
+                self._reductions.append(
+                    start_reduction(
+                        ready,
+                        self.mesh_info,
+                        self.comm_fusion,
+                        self.reduce_op,
+                        all_reduce_replicas=self.requires_all_reduce,
+                    )
+                )
+        if self.reshard_after_backward:
+            self.reshard()
+
+    def finish_reductions(self) -> None:
+        """Wait for started reductions and accumulate them into the sharded grads."""
+        reductions, self._reductions = self._reductions, []
+        for reduction in reductions:
+            reduction.wait()
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Drop pending and unreduced grads and clear the sharded grads."""
+        self.finish_reductions()
+        for param in self.params:
+            param.clear_grads(set_to_none)

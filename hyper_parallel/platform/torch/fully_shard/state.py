@@ -1,0 +1,203 @@
+"""Per-module hooks of one ``fully_shard`` group and the per-backward bookkeeping.
+
+A module's forward pre-hook casts inputs, unshards its group and attaches a post-backward
+trigger to the inputs that need grad; its forward hook reshards (unless it is the root of
+this forward or ``reshard_after_forward`` is off), casts outputs and hooks the outputs so the
+group is unsharded again before its backward runs. The post-backward trigger fires when the
+grads w.r.t. the module's inputs are done, which is after its params' grads; modules whose
+inputs need no grad (the first layer) are finished by a callback at the end of backward.
+
+Training state of a module, per iteration::
+
+    IDLE --pre_forward--> FORWARD --post_forward--> IDLE --pre_backward--> PRE_BACKWARD
+         --post_backward--> POST_BACKWARD --end of backward--> IDLE
+
+While PRE_BACKWARD, a forward of the module is a recomputation (activation checkpointing):
+the group is kept unsharded for the backward that follows.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import Any
+
+import torch
+from torch.autograd import Variable
+from torch.utils import _pytree as pytree
+
+from hyper_parallel.core.fully_shard.utils import MixedPrecisionPolicy
+
+from .param_group import HSDPParamGroup
+
+
+class TrainingState(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
+
+
+class _IterationContext:
+    """What one process's current forward/backward iteration has touched."""
+
+    def __init__(self) -> None:
+        self.forward_root: HSDPState | None = None
+        # States whose forward ran with grad enabled since the last end of backward (ordered).
+        self.states_in_iteration: dict[HSDPState, None] = {}
+        self.final_callback_queued = False
+
+    def queue_final_callback(self) -> None:
+        if self.final_callback_queued:
+            return
+        self.final_callback_queued = True
+        Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        """Finish groups the autograd graph did not reach, then land the reductions."""
+        states = list(reversed(self.states_in_iteration))
+        for state in states:
+            group = state.param_group
+            if group is not None and (group.used_since_post_backward or group.has_unreduced_grads):
+                state.post_backward()
+            state.training_state = TrainingState.IDLE
+        for state in states:
+            if state.param_group is not None and state.is_last_backward:
+                state.param_group.finish_reductions()
+        self.states_in_iteration.clear()
+        self.final_callback_queued = False
+
+
+ITERATION = _IterationContext()
+
+
+def _inside_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _cast_floating(obj: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return obj
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    return pytree.tree_map_only(torch.Tensor, cast, obj)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward marks the module's grads complete."""
+
+    @staticmethod
+    def forward(ctx, state: HSDPState, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+class HSDPState:
+    """Hooks and controls of one module given to ``fully_shard``."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        param_group: HSDPParamGroup | None,
+        mp_policy: MixedPrecisionPolicy,
+        reshard_after_forward: bool | None,
+        ignored_param_ids: set[int],
+    ) -> None:
+        self.module = module
+        self.ignored_param_ids = ignored_param_ids  # nested fully_shard calls skip these too
+        self.param_group = param_group
+        self.mp_policy = mp_policy
+        self.reshard_after_forward = reshard_after_forward
+        self.is_last_backward = True
+        self.training_state = TrainingState.IDLE
+        self.forward_prefetch: list[HSDPState] = []
+        self.backward_prefetch: list[HSDPState] = []
+        self._hook_handles = [
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
+            module.register_forward_hook(self._post_forward, prepend=False),
+        ]
+
+    # -- forward ----------------------------------------------------------------------------
+    def _pre_forward(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        recomputing = self.training_state is TrainingState.PRE_BACKWARD or _inside_backward()
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            ITERATION.states_in_iteration[self] = None
+        if not recomputing:
+            if ITERATION.forward_root is None:
+                ITERATION.forward_root = self
+            self.training_state = TrainingState.FORWARD
+        if self.mp_policy.cast_forward_inputs:
+            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        if self.param_group is not None:
+            self.param_group.unshard()
+            self.param_group.wait_for_unshard()
+            if grad_enabled:
+                self.param_group.used_since_post_backward = True
+        if not recomputing:
+            for target in self.forward_prefetch:
+                target.prefetch()
+        if grad_enabled:
+            args, kwargs = self._attach_post_backward((args, kwargs))
+        return args, kwargs
+
+    def _attach_post_backward(self, inputs: Any) -> Any:
+        leaves, spec = pytree.tree_flatten(inputs)
+        needs_grad = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not needs_grad:
+            return inputs
+        wrapped = _PostBackward.apply(self, *(leaves[i] for i in needs_grad))
+        for i, tensor in zip(needs_grad, wrapped, strict=True):
+            leaves[i] = tensor
+        return pytree.tree_unflatten(leaves, spec)
+
+    def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        recomputing = self.training_state is TrainingState.PRE_BACKWARD or _inside_backward()
+        is_root = ITERATION.forward_root is self
+        if not recomputing:
+            if self.param_group is not None and self._reshards_after_forward(is_root):
+                self.param_group.reshard()
+            self.training_state = TrainingState.IDLE
+        if is_root:
+            ITERATION.forward_root = None
+        output = _cast_floating(output, self.mp_policy.output_dtype)
+        if torch.is_grad_enabled():
+            for tensor in pytree.tree_leaves(output):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(self._pre_backward)
+        return output
+
+    def _reshards_after_forward(self, is_root: bool) -> bool:
+        if self.reshard_after_forward is None:
+            return not is_root  # the root's params are needed first in backward anyway
+        return self.reshard_after_forward
+
+    def prefetch(self) -> None:
+        """Start this group's all-gather early (explicit prefetch by another module)."""
+        if self.param_group is not None:
+            self.param_group.unshard(async_op=True)
+
+    # -- backward ---------------------------------------------------------------------------
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        ITERATION.queue_final_callback()
+        self.training_state = TrainingState.PRE_BACKWARD
+        if self.param_group is not None:
+            self.param_group.unshard()
+            self.param_group.wait_for_unshard()
+        for target in self.backward_prefetch:
+            target.prefetch()
+
+    def post_backward(self) -> None:
+        # A forward run under no_grad (reentrant checkpoint) registers the state only here.
+        ITERATION.states_in_iteration[self] = None
+        self.training_state = TrainingState.POST_BACKWARD
+        if self.param_group is not None:
+            self.param_group.post_backward()

@@ -1,0 +1,68 @@
+"""Shared models and seeded data for cases and engine tests (built identically on every rank).
+
+Sizes are the plan's "simple MLP" scale: small enough for several CPU ranks on 2 cores, with
+odd dims so that sharding over 2 or 4 ranks needs padding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    """Linear+ReLU stack; ``layers`` are the natural units to shard one by one."""
+
+    def __init__(self, dims: tuple[int, ...] = (7, 13, 5, 3), seed: int = 1) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+class TiedEmbeddingNet(nn.Module):
+    """Embedding -> Linear -> output projection tied to the embedding weight."""
+
+    def __init__(self, vocab: int = 11, hidden: int = 6, seed: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, hidden)
+        self.mid = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mid(self.embed(tokens))))
+
+
+class BranchyNet(nn.Module):
+    """A trunk and two heads; ``forward(x, head)`` uses one head, leaving the other unused."""
+
+    def __init__(self, dim: int = 6, seed: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.trunk = nn.Linear(dim, dim)
+        self.head_a = nn.Linear(dim, 3)
+        self.head_b = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor, head: str = "a") -> torch.Tensor:
+        h = torch.relu(self.trunk(x))
+        return self.head_a(h) if head == "a" else self.head_b(h)
+
+
+def rank_batch(step: int, rank: int, shape: tuple[int, ...], seed: int = 1000) -> torch.Tensor:
+    """A batch that differs per rank and per step and is reproducible anywhere."""
+    generator = torch.Generator().manual_seed(seed + 7919 * step + rank)
+    return torch.randn(shape, generator=generator)
+
+
+def rank_tokens(step: int, rank: int, shape: tuple[int, ...], vocab: int, seed: int = 2000) -> torch.Tensor:
+    """Token ids that differ per rank and per step."""
+    generator = torch.Generator().manual_seed(seed + 7919 * step + rank)
+    return torch.randint(0, vocab, shape, generator=generator)

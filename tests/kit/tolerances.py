@@ -1,0 +1,57 @@
+"""The one tolerance registry: the precision matrix of CASES.md, plus its case-specific rows.
+
+Cases and tests name a configuration; they never write an ``atol=`` of their own. A change
+here is a visible diff, with its triage in the commit message. Tolerances are absolute:
+a check passes when ``|measured - reference| <= tol``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Absolute tolerances of one configuration: loss, and grad norm / element-wise grads."""
+
+    loss: float
+    grad: float
+
+
+PRECISION_MATRIX: dict[str, Tolerance] = {
+    "FSDP 1D fp32": Tolerance(loss=1e-5, grad=1e-5),
+    "FSDP 1D bf16": Tolerance(loss=1e-3, grad=1e-3),
+    "HSDP 2D fp32": Tolerance(loss=1e-5, grad=1e-5),
+    "TP + FSDP fp32": Tolerance(loss=1e-5, grad=1e-5),
+    "EP + FSDP fp32": Tolerance(loss=1e-4, grad=1e-4),
+    "AC + FSDP fp32": Tolerance(loss=1e-5, grad=1e-5),
+    "AC + swap + FSDP fp32": Tolerance(loss=1e-5, grad=1e-5),
+    "PP + FSDP fp32": Tolerance(loss=1e-5, grad=1e-5),
+}
+
+# Case-specific rows of CASES.md, part of the same registry.
+SPECIFIC: dict[str, float] = {
+    "comm fusion equivalence": 1e-6,  # L1-08: fused vs unfused loss and grads
+    "replica agreement": 1e-6,  # L1-02: grads of the replica groups with all-reduce on
+    "clip bound": 1e-6,  # L2-07: norm after clipping <= max_norm + this
+    "chunk sum": 1e-6,  # L3-05: sum of per-chunk losses == total loss
+    "custom placement": 1e-5,  # L1-07
+    "fp32 main grad": 1e-5,  # L1-13
+    "per expert": 1e-4,  # L2-10 / L3-03 per-expert grad norm
+}
+
+
+def tolerance(config: str) -> Tolerance:
+    """The tolerances of one configuration of the precision matrix (KeyError names it)."""
+    try:
+        return PRECISION_MATRIX[config]
+    except KeyError:
+        raise KeyError(f"no precision-matrix row {config!r}; rows: {sorted(PRECISION_MATRIX)}") from None
+
+
+def specific(name: str) -> float:
+    """A case-specific tolerance of CASES.md."""
+    try:
+        return SPECIFIC[name]
+    except KeyError:
+        raise KeyError(f"no case-specific tolerance {name!r}; known: {sorted(SPECIFIC)}") from None
