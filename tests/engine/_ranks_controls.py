@@ -53,7 +53,9 @@ def collective_counts(mesh_shape: tuple[int, ...], comm_fusion: bool) -> dict[st
     shard_size = mesh_shape[-1]
     assert all(c.group_size == shard_size for c in rec.of("all_gather")), "all-gather not over shard dim"
     if len(mesh_shape) == 2:
-        assert all(c.group_size == mesh_shape[0] for c in rec.of("all_reduce")), "all-reduce not over replicas"
+        assert all(c.group_size == mesh_shape[0] for c in rec.of("all_reduce")), (
+            "all-reduce not over replicas"
+        )
     return got
 
 
@@ -264,7 +266,9 @@ def ignored_params_untouched() -> None:
     with ddp_local.no_sync():
         ddp_local(x).square().mean().backward()
     assert not isinstance(ignored.grad, DTensor) and ignored.grad.numel() == ignored.numel()
-    assert_close("ignored grad == local grad", ignored.grad, ddp_local.module.layers[1].weight.grad, FP32.grad)
+    assert_close(
+        "ignored grad == local grad", ignored.grad, ddp_local.module.layers[1].weight.grad, FP32.grad
+    )
     ddp(x).square().mean().backward()
     ref = dict(ddp.module.named_parameters())
     for name, param in model.named_parameters():
@@ -303,25 +307,59 @@ def bad_input_is_refused_before_any_change() -> None:
         ("empty list", lambda m: fully_shard([], mesh=mesh), ValueError, "module"),
         ("mesh type", lambda m: fully_shard(m, mesh="cpu"), TypeError, "mesh"),
         ("3-D mesh", lambda m: fully_shard(m, mesh=mesh3d), ValueError, "mesh"),
-        ("int reshard", lambda m: fully_shard(m, mesh=mesh, reshard_after_forward=2), TypeError,
-         "reshard_after_forward"),
-        ("placement fn", lambda m: fully_shard(m, mesh=mesh, shard_placement_fn=3), TypeError,
-         "shard_placement_fn"),
-        ("placement dim", lambda m: fully_shard(m, mesh=mesh, shard_placement_fn=lambda p: Shard(5)),
-         ValueError, "shard_placement_fn"),
-        ("placement kind", lambda m: fully_shard(m, mesh=mesh, shard_placement_fn=lambda p: "x"),
-         ValueError, "shard_placement_fn"),
+        (
+            "int reshard",
+            lambda m: fully_shard(m, mesh=mesh, reshard_after_forward=2),
+            TypeError,
+            "reshard_after_forward",
+        ),
+        (
+            "placement fn",
+            lambda m: fully_shard(m, mesh=mesh, shard_placement_fn=3),
+            TypeError,
+            "shard_placement_fn",
+        ),
+        (
+            "placement dim",
+            lambda m: fully_shard(m, mesh=mesh, shard_placement_fn=lambda p: Shard(5)),
+            ValueError,
+            "shard_placement_fn",
+        ),
+        (
+            "placement kind",
+            lambda m: fully_shard(m, mesh=mesh, shard_placement_fn=lambda p: "x"),
+            ValueError,
+            "shard_placement_fn",
+        ),
         ("mp type", lambda m: fully_shard(m, mesh=mesh, mp_policy="bf16"), TypeError, "mp_policy"),
         ("mp field", lambda m: MixedPrecisionPolicy(param_dtype="bf16"), TypeError, "param_dtype"),
-        ("mp int dtype", lambda m: MixedPrecisionPolicy(reduce_dtype=torch.int32), ValueError, "reduce_dtype"),
+        (
+            "mp int dtype",
+            lambda m: MixedPrecisionPolicy(reduce_dtype=torch.int32),
+            ValueError,
+            "reduce_dtype",
+        ),
         ("offload type", lambda m: fully_shard(m, mesh=mesh, offload_policy=1), TypeError, "offload_policy"),
-        ("ignored stray", lambda m: fully_shard(m, mesh=mesh, ignored_params=[stray]), ValueError,
-         "ignored_params"),
-        ("replicate type", lambda m: fully_shard(m, mesh=mesh, replicate_params=5), TypeError,
-         "replicate_params"),
-        ("ignored and replicated", lambda m: fully_shard(
-            m, mesh=mesh, ignored_params=[m.layers[0].bias], replicate_params=[m.layers[0].bias]),
-         ValueError, "ignored_params"),
+        (
+            "ignored stray",
+            lambda m: fully_shard(m, mesh=mesh, ignored_params=[stray]),
+            ValueError,
+            "ignored_params",
+        ),
+        (
+            "replicate type",
+            lambda m: fully_shard(m, mesh=mesh, replicate_params=5),
+            TypeError,
+            "replicate_params",
+        ),
+        (
+            "ignored and replicated",
+            lambda m: fully_shard(
+                m, mesh=mesh, ignored_params=[m.layers[0].bias], replicate_params=[m.layers[0].bias]
+            ),
+            ValueError,
+            "ignored_params",
+        ),
         ("comm_fusion", lambda m: fully_shard(m, mesh=mesh, comm_fusion="yes"), TypeError, "comm_fusion"),
         ("device", lambda m: fully_shard(m, mesh=mesh, device="meta"), ValueError, "device"),
         ("shared in list", lambda m: _shared_list(m, mesh), ValueError, "share"),
@@ -335,7 +373,9 @@ def bad_input_is_refused_before_any_change() -> None:
     _rejects("reduce op", lambda: model.set_reduce_op_type("max"), ValueError, "reduce_op_type")
     _rejects("sync flag", lambda: model.set_requires_gradient_sync(1), TypeError, "requires_gradient_sync")
     _rejects("recurse", lambda: model.set_reshard_after_forward(True, recurse="no"), TypeError, "recurse")
-    _rejects("prefetch", lambda: model.set_modules_to_forward_prefetch([nn.Linear(1, 1)]), TypeError, "modules")
+    _rejects(
+        "prefetch", lambda: model.set_modules_to_forward_prefetch([nn.Linear(1, 1)]), TypeError, "modules"
+    )
     _rejects("async flag", lambda: model.unshard(async_op="y"), TypeError, "async_op")
     _rejects("last backward", lambda: model.set_is_last_backward(None), TypeError, "is_last_backward")
 

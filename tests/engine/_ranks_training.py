@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.kit.api import fully_shard
 from tests.kit.models import MLP, BranchyNet, TiedEmbeddingNet, rank_batch, rank_tokens
-from tests.kit.reference import assert_close, assert_params_close, ddp_of, full
+from tests.kit.reference import assert_close, assert_params_close, ddp_of
 from tests.kit.tolerances import tolerance
 
 STEPS = 3
@@ -54,9 +54,7 @@ def _check_sharded(model: nn.Module, shard_size: int, shard_rank: int, dims: dic
             continue
         assert isinstance(param, DTensor), f"{name} should be sharded (DTensor), is {type(param).__name__}"
         dim = dims[name]
-        want = (
-            param.numel() if dim < 0 else _expected_local_numel(param.shape, dim, shard_size, shard_rank)
-        )
+        want = param.numel() if dim < 0 else _expected_local_numel(param.shape, dim, shard_size, shard_rank)
         got = param.to_local().numel()
         assert got == want, f"{name}: local numel {got}, expected {want}"
 
@@ -126,7 +124,9 @@ def fsdp_matches_ddp(
             assert isinstance(param.grad, DTensor), f"{name}.grad should be a DTensor"
             assert param.grad.to_local().shape == param.to_local().shape, f"{name} grad/param shard shapes"
         worst["loss"] = max(worst["loss"], assert_close(f"step {step} loss", loss, ref_loss, tol.loss))
-        worst["grad"] = max(worst["grad"], assert_params_close(f"step {step} grad", model, ddp, tol.grad, True))
+        worst["grad"] = max(
+            worst["grad"], assert_params_close(f"step {step} grad", model, ddp, tol.grad, True)
+        )
         opt.step()
         ref_opt.step()
         opt.zero_grad()
@@ -160,7 +160,9 @@ def _train_pair(model: nn.Module, ddp: nn.Module, batches, loss_fn, tol) -> dict
         loss = loss_fn(model, batch)
         loss.backward()
         worst["loss"] = max(worst["loss"], assert_close(f"step {step} loss", loss, ref_loss, tol.loss))
-        worst["grad"] = max(worst["grad"], assert_params_close(f"step {step} grad", model, ddp, tol.grad, True))
+        worst["grad"] = max(
+            worst["grad"], assert_params_close(f"step {step} grad", model, ddp, tol.grad, True)
+        )
         opt.step()
         ref_opt.step()
         opt.zero_grad()
@@ -299,11 +301,12 @@ def gradient_accumulation_matches_ddp(micro_steps: int = 3) -> dict[str, float]:
                 assert not rec.of("reduce_scatter"), f"no-sync backward reduced: {rec.calls}"
                 grads = [p.grad for p in model.parameters()]
                 assert all(g is None for g in grads), "no-sync backward set sharded grads"
-        worst["grad"] = max(worst["grad"], assert_params_close(f"step {step} grad", model, ddp, tol.grad, True))
+        worst["grad"] = max(
+            worst["grad"], assert_params_close(f"step {step} grad", model, ddp, tol.grad, True)
+        )
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
         worst["param"] = max(worst["param"], assert_params_close(f"step {step} param", model, ddp, tol.grad))
     return worst
-
