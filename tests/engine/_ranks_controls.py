@@ -53,9 +53,7 @@ def collective_counts(mesh_shape: tuple[int, ...], comm_fusion: bool) -> dict[st
     shard_size = mesh_shape[-1]
     assert all(c.group_size == shard_size for c in rec.of("all_gather")), "all-gather not over shard dim"
     if len(mesh_shape) == 2:
-        assert all(c.group_size == mesh_shape[0] for c in rec.of("all_reduce")), (
-            "all-reduce not over replicas"
-        )
+        assert all(c.group_size == mesh_shape[0] for c in rec.of("all_reduce")), "all-reduce not over replicas"
     return got
 
 
@@ -266,9 +264,7 @@ def ignored_params_untouched() -> None:
     with ddp_local.no_sync():
         ddp_local(x).square().mean().backward()
     assert not isinstance(ignored.grad, DTensor) and ignored.grad.numel() == ignored.numel()
-    assert_close(
-        "ignored grad == local grad", ignored.grad, ddp_local.module.layers[1].weight.grad, FP32.grad
-    )
+    assert_close("ignored grad == local grad", ignored.grad, ddp_local.module.layers[1].weight.grad, FP32.grad)
     ddp(x).square().mean().backward()
     ref = dict(ddp.module.named_parameters())
     for name, param in model.named_parameters():
@@ -354,9 +350,7 @@ def bad_input_is_refused_before_any_change() -> None:
         ),
         (
             "ignored and replicated",
-            lambda m: fully_shard(
-                m, mesh=mesh, ignored_params=[m.layers[0].bias], replicate_params=[m.layers[0].bias]
-            ),
+            lambda m: fully_shard(m, mesh=mesh, ignored_params=[m.layers[0].bias], replicate_params=[m.layers[0].bias]),
             ValueError,
             "ignored_params",
         ),
@@ -373,9 +367,7 @@ def bad_input_is_refused_before_any_change() -> None:
     _rejects("reduce op", lambda: model.set_reduce_op_type("max"), ValueError, "reduce_op_type")
     _rejects("sync flag", lambda: model.set_requires_gradient_sync(1), TypeError, "requires_gradient_sync")
     _rejects("recurse", lambda: model.set_reshard_after_forward(True, recurse="no"), TypeError, "recurse")
-    _rejects(
-        "prefetch", lambda: model.set_modules_to_forward_prefetch([nn.Linear(1, 1)]), TypeError, "modules"
-    )
+    _rejects("prefetch", lambda: model.set_modules_to_forward_prefetch([nn.Linear(1, 1)]), TypeError, "modules")
     _rejects("async flag", lambda: model.unshard(async_op="y"), TypeError, "async_op")
     _rejects("last backward", lambda: model.set_is_last_backward(None), TypeError, "is_last_backward")
 

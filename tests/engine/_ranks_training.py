@@ -96,9 +96,7 @@ def fsdp_matches_ddp(
     shard_rank = rank % shard_size
     shard_dims = {}
     for name, param in model.named_parameters():
-        if (replicate_first_bias and name == "layers.0.bias") or (
-            placement == "replicate_bias" and param.ndim == 1
-        ):
+        if (replicate_first_bias and name == "layers.0.bias") or (placement == "replicate_bias" and param.ndim == 1):
             shard_dims[name] = -1
         else:
             shard_dims[name] = 1 if placement == "dim1" and param.ndim == 2 else 0
@@ -124,9 +122,7 @@ def fsdp_matches_ddp(
             assert isinstance(param.grad, DTensor), f"{name}.grad should be a DTensor"
             assert param.grad.to_local().shape == param.to_local().shape, f"{name} grad/param shard shapes"
         worst["loss"] = max(worst["loss"], assert_close(f"step {step} loss", loss, ref_loss, tol.loss))
-        worst["grad"] = max(
-            worst["grad"], assert_params_close(f"step {step} grad", model, ddp, tol.grad, True)
-        )
+        worst["grad"] = max(worst["grad"], assert_params_close(f"step {step} grad", model, ddp, tol.grad, True))
         opt.step()
         ref_opt.step()
         opt.zero_grad()
@@ -160,9 +156,7 @@ def _train_pair(model: nn.Module, ddp: nn.Module, batches, loss_fn, tol) -> dict
         loss = loss_fn(model, batch)
         loss.backward()
         worst["loss"] = max(worst["loss"], assert_close(f"step {step} loss", loss, ref_loss, tol.loss))
-        worst["grad"] = max(
-            worst["grad"], assert_params_close(f"step {step} grad", model, ddp, tol.grad, True)
-        )
+        worst["grad"] = max(worst["grad"], assert_params_close(f"step {step} grad", model, ddp, tol.grad, True))
         opt.step()
         ref_opt.step()
         opt.zero_grad()
@@ -301,9 +295,7 @@ def gradient_accumulation_matches_ddp(micro_steps: int = 3) -> dict[str, float]:
                 assert not rec.of("reduce_scatter"), f"no-sync backward reduced: {rec.calls}"
                 grads = [p.grad for p in model.parameters()]
                 assert all(g is None for g in grads), "no-sync backward set sharded grads"
-        worst["grad"] = max(
-            worst["grad"], assert_params_close(f"step {step} grad", model, ddp, tol.grad, True)
-        )
+        worst["grad"] = max(worst["grad"], assert_params_close(f"step {step} grad", model, ddp, tol.grad, True))
         opt.step()
         ref_opt.step()
         opt.zero_grad()

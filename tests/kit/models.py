@@ -10,13 +10,21 @@ import torch
 from torch import nn
 
 
+class SelfCastingLinear(nn.Linear):
+    """A Linear that casts its input to its own weight's dtype (for ``cast_forward_inputs=False``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.weight.dtype))
+
+
 class MLP(nn.Module):
     """Linear+ReLU stack; ``layers`` are the natural units to shard one by one."""
 
-    def __init__(self, dims: tuple[int, ...] = (7, 13, 5, 3), seed: int = 1) -> None:
+    def __init__(self, dims: tuple[int, ...] = (7, 13, 5, 3), seed: int = 1, self_casting: bool = False) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True))
+        linear = SelfCastingLinear if self_casting else nn.Linear
+        self.layers = nn.ModuleList(linear(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):

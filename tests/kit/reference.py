@@ -43,9 +43,7 @@ def assert_close(what: str, measured: torch.Tensor, reference: torch.Tensor, tol
     return err
 
 
-def assert_params_close(
-    what: str, model: nn.Module, reference: nn.Module, tol: float, grads: bool = False
-) -> float:
+def assert_params_close(what: str, model: nn.Module, reference: nn.Module, tol: float, grads: bool = False) -> float:
     """Every param (or grad) of ``model`` equals the reference's, by name, within ``tol``."""
     ref = dict(_named(reference))
     worst = 0.0
@@ -60,4 +58,61 @@ def assert_params_close(
 
 def _named(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     inner = model.module if isinstance(model, DistributedDataParallel) else model
-    return inner.named_parameters()
+    return inner.named_parameters()  # SameDtypeReference names its fp32 master params
+
+
+class SameDtypeReference:
+    """The mixed-precision baseline: every rank runs the whole model in the compute dtype on its
+    own data, then averages grads explicitly in the reduce dtype and steps fp32 master weights.
+
+    This is what a correct mixed-precision data-parallel engine computes, without any sharding.
+    With ``accumulate_in_fp32`` the reduced grads accumulate into fp32 (main-grad semantics).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        param_dtype: torch.dtype,
+        reduce_dtype: torch.dtype | None = None,
+        output_dtype: torch.dtype | None = None,
+        cast_forward_inputs: bool = True,
+    ) -> None:
+        self.master = copy.deepcopy(model)
+        self.compute = copy.deepcopy(model).to(param_dtype)
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype or param_dtype
+        self.output_dtype = output_dtype
+        self.cast_forward_inputs = cast_forward_inputs
+        self._unreduced: dict[str, torch.Tensor] = {}
+
+    def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
+        return self.master.named_parameters()
+
+    def parameters(self) -> Iterable[nn.Parameter]:
+        return self.master.parameters()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for master, compute in zip(self.master.parameters(), self.compute.parameters(), strict=True):
+                compute.copy_(master)
+        if self.cast_forward_inputs and x.is_floating_point():
+            x = x.to(self.param_dtype)
+        out = self.compute(x)
+        return out.to(self.output_dtype) if self.output_dtype is not None else out
+
+    def reduce_grads(self, sync: bool = True) -> None:
+        """Take the compute grads (accumulated in the reduce dtype); if ``sync``, average them
+        over ranks in the reduce dtype and accumulate into the fp32 master grads."""
+        for (name, master), compute in zip(self.master.named_parameters(), self.compute.parameters(), strict=True):
+            if compute.grad is None:
+                continue
+            grad = compute.grad.to(self.reduce_dtype)
+            compute.grad = None
+            if name in self._unreduced:
+                grad = self._unreduced.pop(name).add_(grad)
+            if not sync:
+                self._unreduced[name] = grad
+                continue
+            dist.all_reduce(grad, op=dist.ReduceOp.AVG)
+            grad = grad.to(master.dtype)
+            master.grad = grad if master.grad is None else master.grad.add_(grad)

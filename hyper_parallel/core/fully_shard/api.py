@@ -286,9 +286,7 @@ def _plan_module(
         if id(param) not in plan.slots:
             plan.params.append(param)
             plan.slots[id(param)] = []
-            plan.placements[id(param)] = _placement_of(
-                param, name, shard_placement_fn, id(param) in replicated
-            )
+            plan.placements[id(param)] = _placement_of(param, name, shard_placement_fn, id(param) in replicated)
         plan.slots[id(param)].append((owner, name))
     if mp_policy.apply_grad_on_fp32_main_grad:
         for param in plan.params:
@@ -323,9 +321,7 @@ def _params_managed_below(module: nn.Module) -> set[int]:
 
 
 def _ignored_below(module: nn.Module) -> set[int]:
-    return {
-        pid for sub in module.modules() if (s := _state_of(sub)) is not None for pid in s.ignored_param_ids
-    }
+    return {pid for sub in module.modules() if (s := _state_of(sub)) is not None for pid in s.ignored_param_ids}
 
 
 def _placement_of(
@@ -348,9 +344,7 @@ def _placement_of(
                 f"{tuple(param.shape)}: dim out of range"
             )
         return Shard(placement.dim % param.ndim)
-    raise ValueError(
-        f"shard_placement_fn must return Shard(dim), Replicate() or None, got {placement!r} for {name!r}"
-    )
+    raise ValueError(f"shard_placement_fn must return Shard(dim), Replicate() or None, got {placement!r} for {name!r}")
 
 
 def _check_disjoint(modules: list[nn.Module], plans: list[_ModulePlan]) -> None:
@@ -379,8 +373,7 @@ def _apply(
     info = mesh_info_of(mesh)
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     params = [
-        HSDPParam(p, plan.slots[id(p)], plan.placements[id(p)], info, device, mp_policy, offload)
-        for p in plan.params
+        HSDPParam(p, plan.slots[id(p)], plan.placements[id(p)], info, device, mp_policy, offload) for p in plan.params
     ]
     for param in params:
         param.use_sharded()

@@ -79,9 +79,7 @@ class AllGather:
             offset += param.padded_shard_numel
 
 
-def start_all_gather(
-    params: Sequence[HSDPParam], mesh_info: MeshInfo, fused: bool, async_op: bool
-) -> AllGather:
+def start_all_gather(params: Sequence[HSDPParam], mesh_info: MeshInfo, fused: bool, async_op: bool) -> AllGather:
     """Allocate the unsharded params and start gathering the sharded ones into them."""
     for param in params:
         param.alloc_unsharded()
@@ -106,17 +104,13 @@ def start_all_gather(
             works.append(work)
             outputs.append(None)
             continue
-        recv = torch.empty(
-            param.world * param.padded_shard_numel, dtype=param.param_dtype, device=param.device
-        )
+        recv = torch.empty(param.world * param.padded_shard_numel, dtype=param.param_dtype, device=param.device)
         works.append(_all_gather_flat(recv, send, group, async_op))
         outputs.append(recv)
     return AllGather(sharded, works, outputs, fused=False)
 
 
-def _start_fused_all_gather(
-    params: Sequence[HSDPParam], group: dist.ProcessGroup, async_op: bool
-) -> AllGather:
+def _start_fused_all_gather(params: Sequence[HSDPParam], group: dist.ProcessGroup, async_op: bool) -> AllGather:
     dtypes = {p.param_dtype for p in params}
     if len(dtypes) != 1:
         raise ValueError(

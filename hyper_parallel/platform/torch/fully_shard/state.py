@@ -18,6 +18,7 @@ the group is kept unsharded for the backward that follows.
 
 from __future__ import annotations
 
+import functools
 from enum import Enum, auto
 from typing import Any
 
@@ -121,7 +122,32 @@ class HSDPState:
         self._hook_handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
             module.register_forward_hook(self._post_forward, prepend=False),
+            # torch tags public state-dict hooks with an attribute: give it a function, not a method
+            module.register_state_dict_post_hook(functools.partial(HSDPState._sharded_state_dict, self)),
+            module.register_load_state_dict_pre_hook(functools.partial(HSDPState._reshard_before_load, self)),
         ]
+        # Names (relative to module, tied names included) of each managed param, for state dicts.
+        self._names_of_params: list[tuple[torch.nn.Parameter, list[str]]] = []
+        if param_group is not None:
+            by_id = {id(p.sharded_param): p.sharded_param for p in param_group.params}
+            names: dict[int, list[str]] = {}
+            for name, param in module.named_parameters(remove_duplicate=False):
+                if id(param) in by_id:
+                    names.setdefault(id(param), []).append(name)
+            self._names_of_params = [(by_id[i], n) for i, n in names.items()]
+
+    # -- state dicts ------------------------------------------------------------------------
+    def _sharded_state_dict(self, module: torch.nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+        """State dicts always hold the sharded DTensors, even while the group is unsharded."""
+        for param, names in self._names_of_params:
+            for name in names:
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = param.detach()
+
+    def _reshard_before_load(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        """Loading writes into the sharded params, so they must be the registered ones."""
+        if self.param_group is not None:
+            self.param_group.reshard()
 
     # -- forward ----------------------------------------------------------------------------
     def _pre_forward(
