@@ -279,10 +279,7 @@ def _plan_module(
                 "module already given to fully_shard; shard their common parent instead"
             )
         if isinstance(param, DTensor):
-            raise NotImplementedError(
-                f"parameter {name!r} is already a DTensor (tensor parallel); fully_shard on "
-                "DTensor params is not supported yet"
-            )
+            _check_tensor_parallel_param(name, param, mesh)
         if id(param) not in plan.slots:
             plan.params.append(param)
             plan.slots[id(param)] = []
@@ -296,6 +293,25 @@ def _plan_module(
                     f"fp32 main grad), got a {param.dtype} param of shape {tuple(param.shape)}"
                 )
     return plan
+
+
+def _check_tensor_parallel_param(name: str, param: DTensor, mesh: DeviceMesh) -> None:
+    """A DTensor param must come from tensor parallel on the other dim of a 2-D (dp, tp) mesh
+    whose dp dim is ``mesh``."""
+    tp_mesh = param.device_mesh
+    root = tp_mesh._get_root_mesh()
+    problem = None
+    if mesh.ndim != 1 or tp_mesh.ndim != 1:
+        problem = "tensor parallel composes with a 1-D fully_shard mesh and a 1-D TP mesh"
+    elif root.ndim != 2 or root.mesh_dim_names is None:
+        problem = "the TP mesh must be a named dim of a 2-D (dp, tp) DeviceMesh"
+    elif (root.mesh_dim_names[0], root.mesh_dim_names[1]) != (
+        (mesh.mesh_dim_names or (None,))[0],
+        (tp_mesh.mesh_dim_names or (None,))[0],
+    ) or mesh._get_root_mesh() != root:
+        problem = f"mesh must be dim 0 and the TP mesh dim 1 of one mesh, got root dims {root.mesh_dim_names}"
+    if problem:
+        raise ValueError(f"parameter {name!r} is a DTensor on {tp_mesh}: {problem}")
 
 
 def _params_outside_groups(module: nn.Module) -> Iterable[tuple[nn.Module, str, nn.Parameter]]:

@@ -99,7 +99,7 @@ def start_all_gather(params: Sequence[HSDPParam], mesh_info: MeshInfo, fused: bo
         param.copy_shard_into(send)
         if param.gathers_in_place:
             with param.hidden_writes():
-                recv = param.unsharded_param.detach().view(-1)
+                recv = param.unsharded_local.detach().view(-1)
                 work = _all_gather_flat(recv, send, group, async_op)
             works.append(work)
             outputs.append(None)

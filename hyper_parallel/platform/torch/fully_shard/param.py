@@ -19,7 +19,9 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.core.fully_shard.utils import CPUOffloadPolicy, MixedPrecisionPolicy
 
@@ -73,7 +75,9 @@ class HSDPParam:
         self.slots = slots
         self.mesh_info = mesh_info
         self.device = device
-        self.full_shape = param.shape
+        self._init_tensor_parallel(param)
+        # What this engine shards and gathers: the param itself, or its TP-local tensor.
+        self.full_shape = self._tp_local(param).shape
         self.orig_dtype = param.dtype
         floating = param.is_floating_point()
         self.param_dtype = (mp_policy.param_dtype if floating else None) or param.dtype
@@ -84,7 +88,7 @@ class HSDPParam:
         self.is_replicated = isinstance(placement, Replicate) or param.ndim == 0
         self.dim = 0 if self.is_replicated else placement.dim % param.ndim
         world = 1 if self.is_replicated else mesh_info.shard_size
-        rows = param.shape[self.dim] if param.ndim else 1
+        rows = self.full_shape[self.dim] if param.ndim else 1
         self.chunk = math.ceil(rows / world) if rows else 0
         self.world = world
         self.padded_shard_shape = self._shard_shape(self.chunk)
@@ -94,6 +98,33 @@ class HSDPParam:
         # Grads taken off the unsharded param and not yet reduced (accumulation without sync).
         self.unreduced_grad: torch.Tensor | None = None
         self._gathered_version = (-1, -1)
+
+    # -- tensor parallel -------------------------------------------------------------------
+    def _init_tensor_parallel(self, param: nn.Parameter) -> None:
+        """A DTensor param (tensor parallel on another mesh dim) is sharded by its TP-local
+        tensor; its sharded DTensor lives on the 2-D (dp, tp) mesh, and its compute param is
+        a DTensor on the TP mesh again, as the TP module expects."""
+        self.tp_mesh: DeviceMesh | None = None
+        self.tp_placements: tuple[Placement, ...] = ()
+        self.global_shape = param.shape
+        if isinstance(param, DTensor):
+            self.tp_mesh = param.device_mesh
+            self.tp_placements = tuple(param.placements)
+
+    @staticmethod
+    def _tp_local(param: torch.Tensor) -> torch.Tensor:
+        return param._local_tensor if isinstance(param, DTensor) else param
+
+    def _sharded_layout(self, placement: Placement) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        if self.tp_mesh is None:
+            return self.mesh_info.mesh, self.mesh_info.placements(placement)
+        root = self.tp_mesh._get_root_mesh()
+        if isinstance(placement, Shard) and any(
+            isinstance(p, Shard) and p.dim == placement.dim for p in self.tp_placements
+        ):
+            # dp splits rows that TP already split: dp's chunk lies inside TP's chunk
+            placement = _StridedShard(placement.dim, split_factor=self.tp_mesh.size())
+        return root, (placement, *self.tp_placements)
 
     # -- layout -------------------------------------------------------------------------
     def _shard_shape(self, rows: int) -> torch.Size:
@@ -117,7 +148,7 @@ class HSDPParam:
     # -- sharded side ---------------------------------------------------------------------
     def _init_sharded(self, param: nn.Parameter) -> None:
         with torch.no_grad():
-            src = param.detach()
+            src = self._tp_local(param).detach()
             if not self.is_replicated:
                 rank = self.mesh_info.shard_rank
                 start = min(rank * self.chunk, self.full_shape[self.dim])  # empty chunks at the end
@@ -127,15 +158,8 @@ class HSDPParam:
                 local = local.pin_memory()
             local.copy_(src)
             placement = Replicate() if self.is_replicated else Shard(self.dim)
-            self.placements = self.mesh_info.placements(placement)
-            dtensor = DTensor.from_local(
-                local,
-                self.mesh_info.mesh,
-                self.placements,
-                run_check=False,
-                shape=self.full_shape,
-                stride=_contiguous_stride(self.full_shape),
-            )
+            self.sharded_mesh, self.placements = self._sharded_layout(placement)
+            dtensor = self.to_dtensor(local)
         self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
 
     @property
@@ -147,11 +171,11 @@ class HSDPParam:
         """Wrap a local tensor laid out like this param's shard as a DTensor like the param."""
         return DTensor.from_local(
             local,
-            self.mesh_info.mesh,
+            self.sharded_mesh,
             self.placements,
             run_check=False,
-            shape=self.full_shape,
-            stride=_contiguous_stride(self.full_shape),
+            shape=self.global_shape,
+            stride=_contiguous_stride(self.global_shape),
         )
 
     def use_sharded(self) -> None:
@@ -169,7 +193,18 @@ class HSDPParam:
         else:
             data = torch.empty(self.full_shape, dtype=self.param_dtype, device=self.device)
             _free_storage(data)
+        if self.tp_mesh is not None:
+            data = DTensor.from_local(
+                data,
+                self.tp_mesh,
+                self.tp_placements,
+                run_check=False,
+                shape=self.global_shape,
+                stride=_contiguous_stride(self.global_shape),
+            )
         self.unsharded_param = nn.Parameter(data, requires_grad=param.requires_grad)
+        # The plain tensor this engine fills and frees (shares storage with the param).
+        self.unsharded_local = self._tp_local(self.unsharded_param)
 
     def use_unsharded(self) -> None:
         for module, name in self.slots:
@@ -177,11 +212,11 @@ class HSDPParam:
 
     def alloc_unsharded(self) -> None:
         if not self.aliases_shard:
-            _alloc_storage(self.unsharded_param)
+            _alloc_storage(self.unsharded_local)
 
     def free_unsharded(self) -> None:
         if not self.aliases_shard:
-            _free_storage(self.unsharded_param)
+            _free_storage(self.unsharded_local)
 
     def _shard_version(self) -> tuple[int, int]:
         # In-place ops through the DTensor (optimizers, loads) bump the DTensor's counter only;
@@ -199,13 +234,13 @@ class HSDPParam:
     def hidden_writes(self) -> torch.autograd._unsafe_preserve_version_counter:
         """Refilling the unsharded param restores data autograd saved, it is not a mutation:
         keep its version counter so saved-tensor checks still hold in backward."""
-        return torch.autograd._unsafe_preserve_version_counter(self.unsharded_param)
+        return torch.autograd._unsafe_preserve_version_counter(self.unsharded_local)
 
     def copy_replicated_in(self) -> None:
         """Unshard a replicated param: a cast/move copy of the full local tensor."""
         if not self.aliases_shard:
             with torch.no_grad(), self.hidden_writes():
-                self.unsharded_param.copy_(self.local_shard)
+                self.unsharded_local.copy_(self.local_shard)
 
     def copy_shard_into(self, flat: torch.Tensor) -> None:
         """Write this rank's shard, cast to the compute dtype, into an all-gather input."""
@@ -226,7 +261,7 @@ class HSDPParam:
                 rows = self.rows_of(rank)
                 if rows:
                     src = gathered[rank].view(self.padded_shard_shape).narrow(self.dim, 0, rows)
-                    dst = self.unsharded_param.narrow(self.dim, rank * self.chunk, rows)
+                    dst = self.unsharded_local.narrow(self.dim, rank * self.chunk, rows)
                     dst.copy_(src)
 
     # -- gradients ------------------------------------------------------------------------
@@ -240,6 +275,10 @@ class HSDPParam:
         if grad is None:
             return
         self.unsharded_param.grad = None
+        if isinstance(grad, DTensor):
+            if tuple(grad.placements) != self.tp_placements:
+                grad = grad.redistribute(self.tp_mesh, self.tp_placements)  # e.g. Partial -> Replicate
+            grad = grad._local_tensor
         if self.unreduced_grad is None:
             self.unreduced_grad = grad if grad.dtype == self.reduce_dtype else grad.to(self.reduce_dtype)
         else:
