@@ -93,6 +93,7 @@ class HSDPParam:
         self.world = world
         self.padded_shard_shape = self._shard_shape(self.chunk)
         self.padded_shard_numel = math.prod(self.padded_shard_shape)
+        self._rows = [self._count_rows(rank) for rank in range(world)]
         self._init_sharded(param)
         self._init_unsharded(param)
         # Grads taken off the unsharded param and not yet reduced (accumulation without sync).
@@ -136,6 +137,9 @@ class HSDPParam:
 
     def rows_of(self, rank: int) -> int:
         """Rows of the shard dim held by ``rank`` (torch.chunk semantics)."""
+        return self._rows[rank]
+
+    def _count_rows(self, rank: int) -> int:
         if self.is_replicated:
             return self.full_shape[0] if self.full_shape else 1
         total = self.full_shape[self.dim]
@@ -169,6 +173,9 @@ class HSDPParam:
 
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap a local tensor laid out like this param's shard as a DTensor like the param."""
+        if local.dtype == self.orig_dtype and hasattr(self, "sharded_param"):
+            # hot path (every new grad): reuse the param's spec, skip from_local's checks
+            return DTensor(local, self.sharded_param._spec, requires_grad=False)
         return DTensor.from_local(
             local,
             self.sharded_mesh,
@@ -254,9 +261,17 @@ class HSDPParam:
         """Dim-0 shards without padding all-gather straight into the unsharded param."""
         return self.dim == 0 and not self.has_padding
 
+    @property
+    def _rank_major(self) -> bool:
+        """Dim-0 shards without padding: the full tensor is the rank-ordered shards back to back."""
+        return not self.is_replicated and self.dim == 0 and not self.has_padding
+
     def copy_gathered_out(self, gathered: torch.Tensor) -> None:
         """Fill the unsharded param from an all-gather output viewed as [world, padded numel]."""
         with torch.no_grad(), self.hidden_writes():
+            if self._rank_major:
+                self.unsharded_local.view(self.world, -1).copy_(gathered)
+                return
             for rank in range(self.world):
                 rows = self.rows_of(rank)
                 if rows:
@@ -286,6 +301,9 @@ class HSDPParam:
 
     def copy_grad_into(self, buffer: torch.Tensor, grad: torch.Tensor) -> None:
         """Write a full grad into a reduce-scatter input viewed as [world, padded numel]."""
+        if self._rank_major:
+            buffer.copy_(grad.reshape(self.world, -1))
+            return
         for rank in range(self.world):
             rows = self.rows_of(rank)
             chunk = buffer[rank].view(self.padded_shard_shape)
