@@ -375,3 +375,39 @@ def bad_input_is_refused_before_any_change() -> None:
 def _shared_list(model: MLP, mesh) -> None:
     shared = nn.Sequential(model.layers[0], model.layers[1])
     fully_shard([shared, nn.Sequential(model.layers[1])], mesh=mesh)
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("deliberate failure in backward")
+
+
+def recovers_after_failed_iterations() -> None:
+    """A forward or a backward that raises leaves the engine usable: the next step equals DDP."""
+    model = _nested_mlp(_mesh((2,)))
+    ddp = ddp_of(MLP((7, 13, 5, 3)))
+    x = rank_batch(0, dist.get_rank(), (4, 7))
+    # fail between layers, after the later layers' backward already started
+    hook = model.layers[0].register_forward_hook(lambda m, a, out: _FailingBackward.apply(out))
+    try:
+        model(x).sum().backward()
+    except RuntimeError as err:
+        assert "deliberate" in str(err)
+    else:
+        raise AssertionError("precondition: the failing backward did not fail")
+    hook.remove()
+    try:
+        model(x[:, :3])  # wrong width: the first layer raises mid-forward
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("precondition: the failing forward did not fail")
+    model.zero_grad()
+    _loss(model, 1).backward()
+    _loss(ddp, 1).backward()
+    assert_params_close("grad after failures", model, ddp, FP32.grad, grads=True)

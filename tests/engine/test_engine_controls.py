@@ -30,6 +30,7 @@ def test_collective_counts(cluster, mesh_shape, comm_fusion):
         ranks.recurse_false_touches_own_group_only,
         ranks.ignored_params_untouched,
         ranks.bad_input_is_refused_before_any_change,
+        ranks.recovers_after_failed_iterations,
     ],
     ids=lambda f: f.__name__,
 )

@@ -22,18 +22,13 @@ from hyper_parallel.platform.torch.fully_shard.mesh_info import (
 )
 from hyper_parallel.platform.torch.fully_shard.param import HSDPParam, ModuleSlot
 from hyper_parallel.platform.torch.fully_shard.param_group import HSDPParamGroup, UnshardHandle
-from hyper_parallel.platform.torch.fully_shard.state import HSDPState
+from hyper_parallel.platform.torch.fully_shard.state import STATE_ATTR, HSDPState, state_of
 
 from .utils import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["fully_shard", "HSDPModule", "UnshardHandle"]
 
-_STATE_ATTR = "_hsdp_state"
 _REDUCE_OP_TYPES = ("sum", "avg")
-
-
-def _state_of(module: nn.Module) -> HSDPState | None:
-    return module.__dict__.get(_STATE_ATTR)
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -46,8 +41,8 @@ class HSDPModule:
 
     def _hsdp_states(self, recurse: bool = True) -> list[HSDPState]:
         if not recurse:
-            return [_state_of(self)]
-        return [s for m in self.modules() if (s := _state_of(m)) is not None]
+            return [state_of(self)]
+        return [s for m in self.modules() if (s := state_of(m)) is not None]
 
     def _groups(self, recurse: bool = True) -> list[HSDPParamGroup]:
         return [s.param_group for s in self._hsdp_states(recurse) if s.param_group is not None]
@@ -97,16 +92,16 @@ class HSDPModule:
 
     def set_modules_to_forward_prefetch(self, modules: list[HSDPModule]) -> None:
         """Start these modules' all-gathers, in this order, when this module's forward starts."""
-        _state_of(self).forward_prefetch = _prefetch_states("modules", modules)
+        state_of(self).forward_prefetch = _prefetch_states("modules", modules)
 
     def set_modules_to_backward_prefetch(self, modules: list[HSDPModule]) -> None:
         """Start these modules' all-gathers, in this order, when this module's backward starts."""
-        _state_of(self).backward_prefetch = _prefetch_states("modules", modules)
+        state_of(self).backward_prefetch = _prefetch_states("modules", modules)
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this module's params now; with ``async_op`` return a handle to ``wait()`` on."""
         _check_bool("async_op", async_op)
-        group = _state_of(self).param_group
+        group = state_of(self).param_group
         if group is not None:
             group.unshard(async_op=async_op)
         handle = UnshardHandle(group)
@@ -117,7 +112,7 @@ class HSDPModule:
 
     def reshard(self) -> None:
         """Free this module's unsharded params (idempotent)."""
-        group = _state_of(self).param_group
+        group = state_of(self).param_group
         if group is not None:
             group.reshard()
 
@@ -134,7 +129,7 @@ def _prefetch_states(name: str, modules: object) -> list[HSDPState]:
         raise TypeError(f"{name} must be a list of HSDPModules, got {type(modules).__name__}")
     states = []
     for module in modules:
-        state = _state_of(module) if isinstance(module, nn.Module) else None
+        state = state_of(module) if isinstance(module, nn.Module) else None
         if state is None:
             raise TypeError(f"{name} must contain only modules given to fully_shard, got {module!r}")
         states.append(state)
@@ -203,7 +198,7 @@ def _check_modules(module: object) -> list[nn.Module]:
     for m in modules:
         if not isinstance(m, nn.Module):
             raise TypeError(f"module must be an nn.Module or a list of them, got {type(m).__name__}")
-        if _state_of(m) is not None:
+        if state_of(m) is not None:
             raise ValueError(f"module {type(m).__name__} was already given to fully_shard")
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError("module lists the same module twice")
@@ -322,13 +317,13 @@ def _params_outside_groups(module: nn.Module) -> Iterable[tuple[nn.Module, str, 
         for name, param in owner._parameters.items():
             if param is not None:
                 yield owner, name, param
-        stack.extend(child for child in reversed(list(owner.children())) if _state_of(child) is None)
+        stack.extend(child for child in reversed(list(owner.children())) if state_of(child) is None)
 
 
 def _params_managed_below(module: nn.Module) -> set[int]:
     ids = set()
     for sub in module.modules():
-        state = _state_of(sub)
+        state = state_of(sub)
         if state is not None and sub is not module and state.param_group is not None:
             for p in state.param_group.params:
                 ids.add(id(p.sharded_param))
@@ -337,7 +332,7 @@ def _params_managed_below(module: nn.Module) -> set[int]:
 
 
 def _ignored_below(module: nn.Module) -> set[int]:
-    return {pid for sub in module.modules() if (s := _state_of(sub)) is not None for pid in s.ignored_param_ids}
+    return {pid for sub in module.modules() if (s := state_of(sub)) is not None for pid in s.ignored_param_ids}
 
 
 def _placement_of(
@@ -396,7 +391,7 @@ def _apply(
     group = HSDPParamGroup(params, info, comm_fusion) if params else None
     _move_buffers(module, device)
     state = HSDPState(module, group, mp_policy, reshard_after_forward, ignored)
-    module.__dict__[_STATE_ATTR] = state
+    module.__dict__[STATE_ATTR] = state
     module.__class__ = _hsdp_class(type(module))
     return module
 

@@ -42,10 +42,18 @@ class _IterationContext:
     """What one process's current forward/backward iteration has touched."""
 
     def __init__(self) -> None:
-        self.forward_root: HSDPState | None = None
         # States whose forward ran with grad enabled since the last end of backward (ordered).
         self.states_in_iteration: dict[HSDPState, None] = {}
         self.final_callback_queued = False
+
+    def recover_if_abandoned(self) -> None:
+        """A forward outside backward while the end-of-backward callback is still queued means
+        the last backward raised before its end: forget that iteration rather than inherit it."""
+        if self.final_callback_queued and not _inside_backward():
+            for state in self.states_in_iteration:
+                state.training_state = TrainingState.IDLE
+            self.states_in_iteration.clear()
+            self.final_callback_queued = False
 
     def queue_final_callback(self) -> None:
         if self.final_callback_queued:
@@ -69,6 +77,13 @@ class _IterationContext:
 
 
 ITERATION = _IterationContext()
+
+STATE_ATTR = "_hsdp_state"  # where a sharded module keeps its HSDPState
+
+
+def state_of(module: torch.nn.Module) -> HSDPState | None:
+    """The HSDPState of a module given to fully_shard, else None."""
+    return module.__dict__.get(STATE_ATTR)
 
 
 def _inside_backward() -> bool:
@@ -117,6 +132,9 @@ class HSDPState:
         self.reshard_after_forward = reshard_after_forward
         self.is_last_backward = True
         self.training_state = TrainingState.IDLE
+        # Root of its forwards: decided at its first forward (True unless a sharded ancestor ran
+        # first); the root keeps its params after forward when reshard_after_forward is None.
+        self.is_root: bool | None = None
         self.forward_prefetch: list[HSDPState] = []
         self.backward_prefetch: list[HSDPState] = []
         self._hook_handles = [
@@ -158,8 +176,9 @@ class HSDPState:
         if grad_enabled:
             ITERATION.states_in_iteration[self] = None
         if not recomputing:
-            if ITERATION.forward_root is None:
-                ITERATION.forward_root = self
+            ITERATION.recover_if_abandoned()
+            if self.is_root is None:
+                self._become_root()
             self.training_state = TrainingState.FORWARD
         if self.mp_policy.cast_forward_inputs:
             args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
@@ -187,13 +206,10 @@ class HSDPState:
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         recomputing = self.training_state is TrainingState.PRE_BACKWARD or _inside_backward()
-        is_root = ITERATION.forward_root is self
         if not recomputing:
-            if self.param_group is not None and self._reshards_after_forward(is_root):
+            if self.param_group is not None and self._reshards_after_forward():
                 self.param_group.reshard()
             self.training_state = TrainingState.IDLE
-        if is_root:
-            ITERATION.forward_root = None
         output = _cast_floating(output, self.mp_policy.output_dtype)
         if torch.is_grad_enabled():
             for tensor in pytree.tree_leaves(output):
@@ -201,10 +217,19 @@ class HSDPState:
                     tensor.register_hook(self._pre_backward)
         return output
 
-    def _reshards_after_forward(self, is_root: bool) -> bool:
+    def _reshards_after_forward(self) -> bool:
         if self.reshard_after_forward is None:
-            return not is_root  # the root's params are needed first in backward anyway
+            return not self.is_root  # the root's params are needed first in backward anyway
         return self.reshard_after_forward
+
+    def _become_root(self) -> None:
+        """First forward of a module no sharded ancestor has run: it is a root, its sharded
+        descendants are not."""
+        self.is_root = True
+        for sub in self.module.modules():
+            state = state_of(sub)
+            if state is not None and state is not self:
+                state.is_root = False
 
     def prefetch(self) -> None:
         """Start this group's all-gather early (explicit prefetch by another module)."""
