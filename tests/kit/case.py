@@ -21,6 +21,7 @@ from tests.kit.reference import full
 from tests.kit.tolerances import Tolerance, tolerance
 
 LEVELS = ("L0", "L1", "L2", "L3")
+KIT_LEVEL = "KIT"  # the kit's own fault-injection cases: never part of a level or a sweep
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def case(
     timeout: float = 120.0,
 ) -> Callable[[Callable[[CaseContext], None]], Callable[[CaseContext], None]]:
     """Register ``body`` as the plan's case ``id`` (decorator)."""
-    if id.split("-")[0] not in LEVELS:
+    if id.split("-")[0] not in (*LEVELS, KIT_LEVEL):
         raise ValueError(f"case id {id!r} must start with one of {LEVELS}")
     tolerance(config)  # an unknown precision-matrix row fails at import, not mid-run
     if not file.startswith("_test_") or not file.endswith(".py"):
