@@ -1,19 +1,25 @@
 # The two commands that do everything on a fresh machine:
-#   make sweep   -- the main job
-#   make test    -- the whole test suite (lint, engine tests, kit tests)
+#   make sweep   -- the main job: every case through papermill, evidence in runs/<timestamp>/
+#   make test    -- the whole test suite (lint, engine tests, cases, kit tests, nbval)
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup sweep bench test lint
+.PHONY: setup sweep bench test lint notebooks
 .DEFAULT_GOAL := test
 
 # torch 2.13.0 is pinned (constraints.txt): it is the CPU build on local disk.
 setup:
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[test]"
+	$(PYTHON) kernels/install.py
 
-# The main job. Until the notebook sweep lands it runs the engine benchmark against torch FSDP2.
-sweep: setup bench
+# The main job: every case of every level through papermill on one warm cluster.
+sweep: setup
+	IPP_NONINTERACTIVE=1 $(PYTHON) -m tests.kit.sweep
+
+# Re-record the committed notebooks' outputs (what nbval compares against).
+notebooks: setup
+	IPP_NONINTERACTIVE=1 $(PYTHON) notebooks/build.py --record
 
 bench:
 	$(PYTHON) benchmarks/bench_fsdp2.py
@@ -22,4 +28,4 @@ lint:
 	$(PYTHON) -m ruff check .
 
 test: setup lint
-	$(PYTHON) -m pytest -q
+	IPP_NONINTERACTIVE=1 $(PYTHON) -m pytest -q tests notebooks --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg

@@ -590,6 +590,11 @@ class RankCluster:
                 return [results[r] for r in ranks]
             raise self._failure(fn_name, world_size, timeout, t0, ars, errors, dead, pending, marks)
 
+    def ensure_engines(self) -> None:
+        """Restart any engine that died since the last run (started clusters; joined: raise)."""
+        with self._lock:
+            self._ensure_alive(list(range(self.n_engines)))
+
     def stop(self) -> None:
         """Stop everything this object started (nothing of a joined cluster); idempotent."""
         if self._closed:

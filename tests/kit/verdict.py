@@ -99,14 +99,21 @@ def _row(check: Check) -> tuple[str, ...]:
     )
 
 
-def run_case(cluster: RankCluster, case_id: str, timeout: float | None = None) -> Verdict:
-    """Run one registered case on the cluster's first ``world_size`` engines and judge it."""
+def run_case(cluster: RankCluster, case_id: str, timeout: float | None = None, backend: str | None = None) -> Verdict:
+    """Run one registered case on the cluster's first ``world_size`` engines and judge it.
+
+    ``timeout`` / ``backend`` override the case's own (None: keep them; backend None = auto)."""
     spec = REGISTRY[case_id]
     verdict = Verdict(spec)
     started = time.monotonic()
     try:
         results: list[dict[str, Any]] = cluster.run(
-            run_on_rank, spec.world_size, spec.id, spec.module, timeout=timeout or spec.timeout, backend=spec.backend
+            run_on_rank,
+            spec.world_size,
+            spec.id,
+            spec.module,
+            timeout=timeout or spec.timeout,
+            backend=backend or spec.backend,
         )
     except RankFailure as failure:
         verdict.failure = str(failure)

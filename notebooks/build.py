@@ -1,0 +1,173 @@
+"""Write the level notebooks (one per level, all alike) and record their outputs.
+
+    python notebooks/build.py            # write the .ipynb files from the cells below
+    python notebooks/build.py --record   # ... and execute them with papermill, in place
+
+The committed notebooks carry the outputs of a run with the default parameters: that is what
+nbval compares against (``make test``), through ``notebooks/nbval_sanitize.cfg``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).resolve().parent
+KERNEL = {"name": "hyper-parallel-kit", "display_name": "hyper-parallel-kit (Python 3)", "language": "python"}
+
+LEVELS = {
+    "L0": (
+        "L0_coverage",
+        "L0 — coverage the plan takes as existing",
+        "mesh=None, nested groups, uneven shapes, offload, replicate_params, comm fusion, list input, "
+        "gradient sync, prefetch, mixed precision, TP + FSDP, DCP",
+    ),
+    "L1": (
+        "L1_interface",
+        "L1 — HSDPModule interface, one point each",
+        "the fully_shard() arguments and HSDPModule methods the plan found untested, and the mixed-precision matrix",
+    ),
+    "L2": (
+        "L2_coupling",
+        "L2 — feature coupling",
+        "gradient accumulation, frozen params, activation checkpointing (reentrant, non-reentrant, "
+        "selective, swap), clipping, dynamic shapes, PP + FSDP, EP + FSDP",
+    ),
+    "L3": (
+        "L3_networks",
+        "L3 — real network structures",
+        "decoder LLM (HSDP and FSDP), MoE with EP, ViT, chunked CE, a multimodal model; 2 steps, "
+        "dual metrics, bitwise rerun",
+    ),
+}
+
+PARAMETERS = """\
+cases = "all"              # "all", or case ids / plan names, comma-separated: "{example}"
+implementation_path = ""   # another hyper_parallel checkout to validate (put first on sys.path)
+backend = "auto"           # "auto": nccl with CUDA, gloo on CPU
+timeout = 0                # seconds per case; 0: each case's own timeout
+cluster_id = ""            # join this running ipyparallel cluster (the sweep passes its own)
+profile = ""               # ipyparallel profile; "hpkit" is installed by `make setup`
+engines = 4                # engines to start when not joining
+results_path = ""          # write the verdict summaries here (JSON), for the sweep's index"""
+
+SETUP = """\
+import pathlib
+import sys
+
+if implementation_path:
+    sys.path.insert(0, str(pathlib.Path(implementation_path).resolve()))
+root = next(p for p in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents] if (p / "tests" / "kit").is_dir())
+sys.path.insert(1 if implementation_path else 0, str(root))
+
+from tests.kit import notebook as nb
+
+selected = nb.select_cases("{level}", cases)
+print(f"{{len(selected)}} {level} case(s):", ", ".join(c.id for c in selected) or "none yet")"""
+
+CONNECT = """\
+cluster = nb.connect(cluster_id, profile, engines) if selected else None
+cluster"""
+
+DEBUG = """\
+## Debugging one rank
+
+After the run every engine keeps the last case's objects: `case_ctx` (its `CaseContext`:
+`checks`, `series`, `kept`), plus whatever the case passed to `ctx.keep(...)`, and
+`_last_result` / `_last_traceback`. Engine *i* is rank *i*.
+
+```python
+rank1 = cluster.view(1)                                       # an ipyparallel DirectView
+rank1.execute("bad = [c for c in case_ctx.checks if not c.passed]", block=True)
+rank1.pull("bad", block=True)
+```
+
+or, with the `%px` magics of ipyparallel (`cluster.view().activate()` first):
+
+```python
+%%px --targets 1
+print(case_ctx.case.id, [c.name for c in case_ctx.checks if not c.passed])
+```
+
+Re-run one case on the same warm cluster after an edit (engines cache imported modules:
+restart the kernel, or `cluster.view().execute("import importlib, ...; importlib.reload(...)")`):
+
+```python
+verdicts = nb.run_cases(cluster, nb.select_cases("{level}", "{example}"))
+nb.print_verdicts(verdicts)
+```"""
+
+
+def _code(source: str, *tags: str):
+    cell = new_code_cell(source)
+    if tags:
+        cell.metadata["tags"] = list(tags)
+    return cell
+
+
+def build(level: str) -> nbformat.NotebookNode:
+    stem, title, scope = LEVELS[level]
+    example = f"{level}-01"
+    cells = [
+        new_markdown_cell(
+            f"# {title}\n\n{scope}.\n\n"
+            "Each case runs on a warm ipyparallel cluster of torch ranks and is judged against "
+            "single-device or DDP baselines with the tolerances of `tests/kit/tolerances.py` "
+            "(the plan's precision matrix). Headless, one case:\n\n"
+            f"    papermill notebooks/{stem}.ipynb out.ipynb -p cases {example}\n\n"
+            "Cells: parameters, set-up, cluster, run, verdicts (text, checked by nbval), "
+            "verdict table, loss curves, errors against tolerances, and a last cell that "
+            "raises if anything failed."
+        ),
+        _code(PARAMETERS.format(example=example), "parameters"),
+        _code(SETUP.format(level=level)),
+        _code(CONNECT, "nbval-ignore-output"),
+        _code(
+            "verdicts = nb.run_cases(cluster, selected, timeout, backend) if selected else []",
+            "nbval-ignore-output",
+        ),
+        new_markdown_cell("## Verdicts\nEvery check of every case; `err` is the worst over ranks."),
+        _code("nb.print_verdicts(verdicts)"),
+        _code("from IPython.display import HTML\n\nHTML(nb.verdicts_html(verdicts))", "nbval-ignore-output"),
+        new_markdown_cell(
+            "## Loss per step against the baseline\nRank 0's loss of each case (crosses) over "
+            "its baseline (grey); a red curve belongs to a failed case."
+        ),
+        _code("nb.plot_losses(verdicts);", "nbval-ignore-output"),
+        new_markdown_cell(
+            "## Every check's error against its tolerance\nLog scale; a dot above the green "
+            "tolerance step fails (red). Exact agreement is drawn on the floor."
+        ),
+        _code("nb.plot_errors(verdicts);", "nbval-ignore-output"),
+        new_markdown_cell(DEBUG.format(level=level, example=example)),
+        _code("nb.write_results(verdicts, results_path)\nnb.raise_if_failed(verdicts)"),
+    ]
+    notebook = new_notebook(cells=cells)
+    notebook.metadata["kernelspec"] = KERNEL
+    notebook.metadata["language_info"] = {"name": "python"}
+    return notebook
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--record", action="store_true", help="execute with papermill, in place")
+    parser.add_argument("--levels", default=",".join(LEVELS), help="comma-separated levels")
+    args = parser.parse_args()
+    for level in args.levels.split(","):
+        path = HERE / f"{LEVELS[level][0]}.ipynb"
+        nbformat.write(build(level), path)
+        print(f"wrote {path}")
+        if args.record:
+            import papermill
+
+            papermill.execute_notebook(str(path), str(path), cwd=str(HERE), execution_timeout=1200)
+            print(f"recorded {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
