@@ -64,6 +64,33 @@ class BranchyNet(nn.Module):
         return self.head_a(h) if head == "a" else self.head_b(h)
 
 
+class ResidualFeedForward(nn.Module):
+    """``x + down(relu(up(x)))``: the column-parallel / row-parallel pair of tensor parallelism."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class FeedForwardStack(nn.Module):
+    """``depth`` residual feed-forward blocks and a final LayerNorm (tensor parallel + FSDP)."""
+
+    def __init__(self, dim: int = 8, hidden: int = 12, depth: int = 2, seed: int = 5) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.blocks = nn.ModuleList(ResidualFeedForward(dim, hidden) for _ in range(depth))
+        self.out_norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.out_norm(x)
+
+
 def rank_batch(step: int, rank: int, shape: tuple[int, ...], seed: int = 1000) -> torch.Tensor:
     """A batch that differs per rank and per step and is reproducible anywhere."""
     generator = torch.Generator().manual_seed(seed + 7919 * step + rank)
@@ -74,3 +101,8 @@ def rank_tokens(step: int, rank: int, shape: tuple[int, ...], vocab: int, seed: 
     """Token ids that differ per rank and per step."""
     generator = torch.Generator().manual_seed(seed + 7919 * step + rank)
     return torch.randint(0, vocab, shape, generator=generator)
+
+
+def rank_batches(rank: int, shape: tuple[int, ...], steps: int = 2, first: int = 0) -> list[torch.Tensor]:
+    """``rank_batch`` for steps ``first .. first + steps - 1``."""
+    return [rank_batch(step, rank, shape) for step in range(first, first + steps)]

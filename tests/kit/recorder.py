@@ -1,8 +1,8 @@
 """Records the collectives a rank issues, whatever implementation issues them.
 
 It wraps the public ``torch.distributed`` collectives for the duration of a ``with`` block,
-so any engine that calls them (ours, torch FSDP2, DDP) is observed: op, dtype, element
-count, group size. Functions that are deprecated aliases of another (e.g.
+so any engine that calls them from Python (ours, torch FSDP2) is observed: op, dtype, element
+count, group size. DDP's reducer communicates from C++ and is not seen. Functions that are deprecated aliases of another (e.g.
 ``all_gather_into_tensor`` -> ``all_gather_single``) are recorded once, at the outermost call.
 """
 
