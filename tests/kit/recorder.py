@@ -2,8 +2,9 @@
 
 It wraps the public ``torch.distributed`` collectives for the duration of a ``with`` block,
 so any engine that calls them from Python (ours, torch FSDP2) is observed: op, dtype, element
-count, group size. DDP's reducer communicates from C++ and is not seen. Functions that are deprecated aliases of another (e.g.
-``all_gather_into_tensor`` -> ``all_gather_single``) are recorded once, at the outermost call.
+count, group size. DDP's reducer communicates from C++ and is not seen. Functions that are
+deprecated aliases of another (e.g. ``all_gather_into_tensor`` -> ``all_gather_single``) are
+recorded once, at the outermost call.
 """
 
 from __future__ import annotations
