@@ -176,10 +176,14 @@ class HSDPParam:
         if local.dtype == self.orig_dtype and hasattr(self, "sharded_param"):
             # hot path (every new grad): reuse the param's spec, skip from_local's checks
             return DTensor(local, self.sharded_param._spec, requires_grad=False)
+        return self._global_view(local, self.sharded_mesh, self.placements)
+
+    def _global_view(self, local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
+        """``local`` as this rank's piece of the global param under ``placements`` on ``mesh``."""
         return DTensor.from_local(
             local,
-            self.sharded_mesh,
-            self.placements,
+            mesh,
+            placements,
             run_check=False,
             shape=self.global_shape,
             stride=_contiguous_stride(self.global_shape),
@@ -201,14 +205,7 @@ class HSDPParam:
             data = torch.empty(self.full_shape, dtype=self.param_dtype, device=self.device)
             _free_storage(data)
         if self.tp_mesh is not None:
-            data = DTensor.from_local(
-                data,
-                self.tp_mesh,
-                self.tp_placements,
-                run_check=False,
-                shape=self.global_shape,
-                stride=_contiguous_stride(self.global_shape),
-            )
+            data = self._global_view(data, self.tp_mesh, self.tp_placements)
         self.unsharded_param = nn.Parameter(data, requires_grad=param.requires_grad)
         # The plain tensor this engine fills and frees (shares storage with the param).
         self.unsharded_local = self._tp_local(self.unsharded_param)
