@@ -207,7 +207,7 @@ def plot_errors(verdicts: list[Verdict]) -> Any:
     )
     ax.step(xs, [r[3] for r in rows], where="mid", color="#2ca02c", lw=1.5, label="tolerance")
     ax.set_yscale("log")
-    ax.set_ylim(floor / 3, 1.0)
+    ax.set_ylim(floor / 3, max(1.0, 3 * max(r[2] for r in rows)))
     ax.set_ylabel("abs error (log)")
     starts = {}
     for i, row in enumerate(rows):
@@ -217,6 +217,6 @@ def plot_errors(verdicts: list[Verdict]) -> Any:
     for i in starts.values():
         ax.axvline(i - 0.5, color="#dddddd", lw=0.8, zorder=1)
     ax.set_title("per-check error against tolerance (exact agreement drawn at 1e-12)")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     return fig
