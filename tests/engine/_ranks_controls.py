@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.nn.parallel import DistributedDataParallel
 
 from tests.kit.api import MixedPrecisionPolicy, fully_shard
 from tests.kit.models import MLP, rank_batch
@@ -254,9 +255,10 @@ def ignored_params_untouched() -> None:
     rank = dist.get_rank()
     model = MLP((7, 13, 5, 3))
     ignored = model.layers[1].weight
-    ddp = ddp_of(model)
     ddp_local = ddp_of(model)  # its grads are never synced: we read rank-local grads from it
-    ddp.__class__._set_params_and_buffers_to_ignore_for_model(ddp.module, ["layers.1.weight"])
+    # DDP reads the ignore list at construction (the deep copy carries the attribute)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["layers.1.weight"])
+    ddp = ddp_of(model)
     fully_shard(model, mesh=_mesh((2,)), ignored_params=[ignored])
     assert type(ignored) is nn.Parameter and ignored is model.layers[1].weight
     x = rank_batch(0, rank, (4, 7))

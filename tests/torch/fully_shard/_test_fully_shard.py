@@ -25,6 +25,7 @@ from tests.kit.tolerances import tolerance
 from tests.kit.training import (
     case_mesh,
     differs_across_ranks,
+    local_numels_after_forward,
     named_params,
     padded_shard_numel,
     record_params,
@@ -51,23 +52,6 @@ def none_mesh(ctx: CaseContext) -> None:
     ctx.true("default mesh is 1-D", isinstance(model.layers[0].weight, DTensor) and mesh.ndim == 1, mesh.ndim, 1)
     ctx.equal("default mesh spans the world", mesh.size(), dist.get_world_size())
     train_against(ctx, model, ddp, rank_batches(ctx.rank, (4, DIMS[0])), square_mean, ctx.tol)
-
-
-def _local_numel(param: torch.Tensor) -> int:
-    """Elements this rank actually holds of a registered param (a freed storage holds none)."""
-    if isinstance(param, DTensor):
-        return param.to_local().numel()
-    return min(param.numel(), param.untyped_storage().nbytes() // param.element_size())
-
-
-def _local_numels_after_forward(model: nn.Module) -> list[dict[str, int]]:
-    """Per forward of ``model``, the local numel of each param once the forward has finished (the
-    hook is registered after fully_shard, so it runs after the root's own post-forward reshard)."""
-    seen: list[dict[str, int]] = []
-    model.register_forward_hook(
-        lambda module, args, out: seen.append({n: _local_numel(p) for n, p in module.named_parameters()})
-    )
-    return seen
 
 
 @case(
@@ -98,7 +82,7 @@ def explicit_mesh_nested(ctx: CaseContext) -> None:
         shard_nested(model, model.layers[:2], mesh=mesh, reshard_after_forward=reshard)
         elsewhere = sum(p.device_mesh != mesh for p in model.parameters())
         ctx.equal(f"{label}: params not on the given mesh", elsewhere, 0)
-        after_forward = _local_numels_after_forward(model)
+        after_forward = local_numels_after_forward(model)
 
         train_against(ctx, model, ddp, batches, square_mean, ctx.tol, label=label)
         want = shard_numel if reshard else full_numel

@@ -1,16 +1,36 @@
-"""Plan cases of ``_test_fully_shard_module.py``: the HSDPModule controls (L0 part)."""
+"""Plan cases of ``_test_fully_shard_module.py``: the HSDPModule controls (L0-08/09, L1-01..05, L1-09)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tests.kit.api import HSDPModule, fully_shard
 from tests.kit.case import CaseContext, case
-from tests.kit.models import MLP, rank_batches
-from tests.kit.recorder import CollectiveRecorder
-from tests.kit.reference import ddp_of
+from tests.kit.models import MLP, rank_batch, rank_batches
+from tests.kit.recorder import CollectiveRecorder, record_collectives
+from tests.kit.reference import ddp_of, full
+from tests.kit.tolerances import specific
 from tests.kit.training import (
     case_mesh,
     differs_across_ranks,
+    gather_from,
+    grad_norm,
+    local_numel,
+    local_numels,
+    local_numels_after_forward,
+    named_params,
     padded_shard_numel,
+    raises_nothing,
+    record_grads,
+    record_params,
     shard_nested,
+    shard_shape,
+    sharded_modules,
     square_mean,
     train_accumulating_against,
     train_against,
@@ -124,3 +144,472 @@ def prefetch_and_last_backward(ctx: CaseContext) -> None:
     mesh = case_mesh((ctx.world_size,))
     _prefetch_lists_order_gathers(ctx, mesh)
     _not_last_backward_defers_reductions(ctx, mesh)
+
+
+# -- L1: HSDPModule interface, one control at a time ----------------------------------------
+LR = 1e-2
+# (reshard_after_forward, reshard_after_backward) per step: each flag goes off and back on
+RESHARD_PLAN = ((False, True), (True, False), (False, False), (True, True))
+ROOT_OWN = ("layers.2.weight", "layers.2.bias")  # with layers 0 and 1 sharded on their own
+
+
+def _numels(model: nn.Module, world: int, rank: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Full numel, and the numel of this rank's dim-0 shard, of every param of an unsharded model."""
+    full_numel = {name: p.numel() for name, p in model.named_parameters()}
+    shard_numel = {name: math.prod(shard_shape(p.shape, world, rank)) for name, p in model.named_parameters()}
+    return full_numel, shard_numel
+
+
+def _record_numels(ctx: CaseContext, where: str, model: nn.Module, want: dict[str, int], names: Iterable[str]) -> None:
+    numels = local_numels(model)
+    for name in names:
+        ctx.equal(f"{where}: local numel {name}", numels[name], want[name])
+
+
+def _reshard_all(model: nn.Module) -> None:
+    for module in sharded_modules(model):
+        module.reshard()
+
+
+@case(
+    "L1-01",
+    "test_dynamic_reshard_control",
+    "_test_fully_shard_module.py",
+    world_size=2,
+    mesh_shape=(2,),
+    config="FSDP 1D fp32",
+)
+def dynamic_reshard_control(ctx: CaseContext) -> None:
+    """set_reshard_after_forward / set_reshard_after_backward, toggled off and back on between
+    steps, decide whether forward / backward leave every managed param unsharded (full numel) or
+    sharded (shard numel); toggling raises nothing and every step trains like DDP (also the step
+    after params were kept unsharded through an optimizer step)."""
+    model = MLP(DIMS)
+    ddp = ddp_of(model)
+    full_numel, shard_numel = _numels(model, ctx.world_size, ctx.rank)
+    ctx.require("every param splits over the ranks", all(shard_numel[n] < full_numel[n] for n in full_numel))
+    # layers 0 and 1 get groups of their own; the root's group holds layer 2
+    shard_nested(model, model.layers[:2], mesh=case_mesh((ctx.world_size,)))
+    after_forward = local_numels_after_forward(model)
+
+    def toggle(step: int) -> None:
+        forward, backward = RESHARD_PLAN[step]
+        raises_nothing(
+            ctx,
+            f"step {step}: set_reshard_after_forward({forward}), set_reshard_after_backward({backward}) raise nothing",
+            lambda: (model.set_reshard_after_forward(forward), model.set_reshard_after_backward(backward)),
+        )
+
+    def layouts(step: int) -> None:
+        forward, backward = RESHARD_PLAN[step]
+        want = shard_numel if forward else full_numel
+        where = f"step {step} reshard_after_forward={forward}: after forward"
+        for name, numel in after_forward[step].items():
+            ctx.equal(f"{where}: local numel {name}", numel, want[name])
+        want = shard_numel if backward else full_numel
+        where = f"step {step} reshard_after_backward={backward}: after backward"
+        _record_numels(ctx, where, model, want, full_numel)
+        # kept unsharded, they go through the optimizer step stale: the next forward must notice
+
+    batches = rank_batches(ctx.rank, (4, DIMS[0]), steps=len(RESHARD_PLAN))
+    train_against(ctx, model, ddp, batches, square_mean, ctx.tol, before_step=toggle, after_backward=layouts)
+
+
+@case(
+    "L1-02",
+    "test_set_requires_all_reduce",
+    "_test_fully_shard_module.py",
+    world_size=4,
+    mesh_shape=(2, 2),
+    config="HSDP 2D fp32",
+)
+def set_requires_all_reduce(ctx: CaseContext) -> None:
+    """HSDP on a (replicate 2, shard 2) mesh. All-reduce on: the two replica groups' grads agree
+    within 1e-6 and equal DDP over all 4 ranks. Off: no all-reduce, each replica group's grads are
+    its own average (= DDP over its 2 ranks) and differ from the other's. recurse=False on the root:
+    only the root's own group skips the all-reduce."""
+    mesh = case_mesh((2, 2))
+    # replicas: my rank and the one holding my shard in the other replica group; shards: my replica group
+    replicas, shards = mesh.get_group(0), mesh.get_group(1)
+    me = mesh.get_local_rank(0)
+    agree, tol = specific("replica agreement"), ctx.tol
+    groups = 3  # layers 0 and 1 on their own, the root's group (layer 2)
+    batches = rank_batches(ctx.rank, (4, DIMS[0]))
+    ctx.require("the replica groups' batches differ", differs_across_ranks(batches[0], replicas))
+
+    def mine_and_peers(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """My local grad shard and the other replica group's grad of the same shard."""
+        gathered = gather_from(grad.to_local(), replicas)
+        return gathered[me], gathered[1 - me]
+
+    def replicas_agree(label: str, model: nn.Module, names: Iterable[str]) -> None:
+        params = named_params(model)
+        for name in names:
+            mine, theirs = mine_and_peers(params[name].grad)
+            ctx.close(f"{label} grad {name}: replica groups agree", mine, theirs, agree)
+
+    def replicas_differ(label: str, model: nn.Module, names: Iterable[str]) -> None:
+        params = named_params(model)
+        for name in names:
+            mine, theirs = mine_and_peers(params[name].grad)
+            gap = (mine - theirs).abs().max().item()
+            ctx.true(f"{label} grad {name}: replica groups differ", gap > agree, gap, f"> {agree}")
+
+    def build() -> nn.Module:
+        model = MLP(DIMS)
+        shard_nested(model, model.layers[:2], mesh=mesh)
+        return model
+
+    # on (the default, set explicitly)
+    template = MLP(DIMS)
+    model, ddp = build(), ddp_of(template)
+    model.set_requires_all_reduce(True)
+    names = list(named_params(template))
+    recorders: list[CollectiveRecorder] = []
+    train_against(
+        ctx,
+        model,
+        ddp,
+        batches,
+        square_mean,
+        tol,
+        label="all-reduce on",
+        recorders=recorders,
+        after_backward=lambda step: replicas_agree(f"all-reduce on step {step}", model, names),
+    )
+    for step, rec in enumerate(recorders):
+        ctx.equal(f"all-reduce on step {step}: reduce-scatters", len(rec.of("reduce_scatter")), groups)
+        ctx.equal(f"all-reduce on step {step}: all-reduces over the replicas", len(rec.of("all_reduce")), groups)
+
+    # off: each replica group trains as FSDP over its own 2 ranks
+    model, replica_ddp = build(), ddp_of(template, process_group=shards)
+    model.set_requires_all_reduce(False)
+    recorders = []
+    train_against(
+        ctx,
+        model,
+        replica_ddp,
+        batches,
+        square_mean,
+        tol,
+        label="all-reduce off (vs DDP over the replica group)",
+        recorders=recorders,
+        after_backward=lambda step: replicas_differ(f"all-reduce off step {step}", model, names),
+    )
+    for step, rec in enumerate(recorders):
+        ctx.equal(f"all-reduce off step {step}: reduce-scatters", len(rec.of("reduce_scatter")), groups)
+        ctx.equal(f"all-reduce off step {step}: all-reduces", len(rec.of("all_reduce")), 0)
+
+    # recurse=False on the root: its own group (layer 2) off, the children's on
+    model, ddp, replica_ddp = build(), ddp_of(template), ddp_of(template, process_group=shards)
+    model.set_requires_all_reduce(False, recurse=False)
+    label = "root recurse=False"
+    with record_collectives() as rec:
+        square_mean(model, batches[0]).backward()
+    for reference in (ddp, replica_ddp):
+        square_mean(reference, batches[0]).backward()
+    ctx.equal(f"{label}: all-reduces (the children's groups only)", len(rec.of("all_reduce")), groups - 1)
+    children = [n for n in names if n not in ROOT_OWN]
+    replicas_differ(label, model, ROOT_OWN)
+    replicas_agree(label, model, children)
+    record_grads(ctx, f"{label} root's own vs DDP over the replica group", model, replica_ddp, tol.grad, ROOT_OWN)
+    record_grads(ctx, f"{label} children's vs DDP over all ranks", model, ddp, tol.grad, children)
+
+
+# step -> reduce op set before it; None: the default ("avg") before any call
+REDUCE_OP_PLAN = (None, "sum", "sum", "avg")
+
+
+@case(
+    "L1-03",
+    "test_set_reduce_op_type",
+    "_test_fully_shard_module.py",
+    world_size=2,
+    mesh_shape=(2,),
+    config="FSDP 1D fp32",
+)
+def set_reduce_op_type(ctx: CaseContext) -> None:
+    """set_reduce_op_type: "sum" grads are world_size x DDP's, "avg" (and the default) DDP's; after
+    switching sum -> avg mid-training, the optimizer state equals a baseline Adam fed the same
+    grads (DDP's, times world_size in the "sum" steps), and so do the params."""
+    world, tol = ctx.world_size, ctx.tol
+    model = MLP(DIMS)
+    ddp = ddp_of(model)
+    shard_nested(model, model.layers, mesh=case_mesh((world,)))
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    ref_opt = torch.optim.Adam(ddp.parameters(), lr=LR)
+    for step, op in enumerate(REDUCE_OP_PLAN):
+        where = f"step {step} {op or 'default'}"
+        if op is not None:
+            model.set_reduce_op_type(op)
+        scale = world if op == "sum" else 1
+        batch = rank_batch(step, ctx.rank, (4, DIMS[0]))
+        ref_loss = square_mean(ddp, batch)
+        ref_loss.backward()
+        loss = square_mean(model, batch)
+        loss.backward()
+        refs = named_params(ddp)
+        biggest = max(p.grad.abs().max().item() for p in refs.values())
+        ctx.require(f"{where}: sum and avg grads differ by more than the tolerance", biggest * (world - 1) > tol.grad)
+        ctx.close(f"{where} loss", loss, ref_loss, tol.loss)
+        ctx.close(f"{where} grad norm (x{scale})", grad_norm(model), grad_norm(ddp) * scale, tol.grad)
+        for name, param in named_params(model).items():
+            ctx.close(f"{where} grad {name} (x{scale})", param.grad, refs[name].grad * scale, tol.grad)
+        with torch.no_grad():
+            for param in refs.values():
+                param.grad.mul_(scale)  # the baseline optimizer is fed the same grads
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+        for name, param in named_params(model).items():
+            state, ref_state = opt.state[param], ref_opt.state[refs[name]]
+            for key in ("exp_avg", "exp_avg_sq"):
+                ctx.close(f"{where} optimizer {key} {name}", state[key], ref_state[key], tol.grad)
+        record_params(ctx, where, model, ddp, tol.grad)
+
+
+ACCUMULATED = 3  # backwards accumulated before zero_grad: two reduced, the last held back unreduced
+
+
+@case(
+    "L1-04",
+    "test_zero_grad",
+    "_test_fully_shard_module.py",
+    world_size=2,
+    mesh_shape=(2,),
+    config="FSDP 1D fp32",
+)
+def zero_grad(ctx: CaseContext) -> None:
+    """After accumulating reduced grads and one locally held (unsynced) grad, zero_grad() clears
+    every grad (None; zeros with set_to_none=False) and leaves the params as they were; the next
+    backward gives fresh grads equal to DDP's one-step grads, and training goes on like DDP."""
+    model = MLP(DIMS)
+    ddp = ddp_of(model)
+    shard_nested(model, model.layers, mesh=case_mesh((ctx.world_size,)))
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    ref_opt = torch.optim.Adam(ddp.parameters(), lr=LR)
+    tol = ctx.tol
+    for round_, set_to_none in enumerate((True, False)):
+        where = f"round {round_} zero_grad(set_to_none={set_to_none})"
+        micro = [rank_batch(10 * round_ + i, ctx.rank, (4, DIMS[0])) for i in range(ACCUMULATED + 1)]
+        for i, batch in enumerate(micro[:ACCUMULATED]):
+            model.set_requires_gradient_sync(i < ACCUMULATED - 1)  # the last one stays unreduced
+            square_mean(model, batch).backward()
+        model.set_requires_gradient_sync(True)
+        ctx.require(f"{where}: every param has a grad before", all(p.grad is not None for p in model.parameters()))
+        # had the held-back grad survived, the next grads would be off by DDP's grad of its batch
+        square_mean(ddp, micro[ACCUMULATED - 1]).backward()
+        held = max(p.grad.abs().max().item() for p in ddp.parameters())
+        ctx.require(f"{where}: the held-back grad exceeds the tolerance", held > tol.grad, f"{held:.3e}")
+        ddp.zero_grad()
+        snapshot = {name: full(p).detach().clone() for name, p in named_params(model).items()}
+
+        raises_nothing(ctx, f"{where} raises nothing", lambda set_to_none=set_to_none: model.zero_grad(set_to_none))
+        for name, param in named_params(model).items():
+            grad = param.grad
+            if set_to_none:
+                ctx.true(f"{where}: {name}.grad is None", grad is None, type(grad).__name__, "NoneType")
+            elif grad is None:
+                ctx.true(f"{where}: {name}.grad zeros", False, "None", "zeros")
+            else:
+                ctx.equal(f"{where}: {name}.grad zeros", full(grad), torch.zeros(param.shape))
+            ctx.equal(f"{where}: {name} data unchanged", full(param), snapshot[name])
+
+        fresh = micro[ACCUMULATED]
+        ref_loss = square_mean(ddp, fresh)
+        ref_loss.backward()
+        loss = square_mean(model, fresh)
+        loss.backward()
+        ctx.close(f"{where} next step loss", loss, ref_loss, tol.loss)
+        ctx.close(f"{where} next step grad norm", grad_norm(model), grad_norm(ddp), tol.grad)
+        record_grads(ctx, f"{where} next step (fresh, = one-step DDP)", model, ddp, tol.grad)
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+        record_params(ctx, f"{where} after the step", model, ddp, tol.grad)
+
+
+@case(
+    "L1-05",
+    "test_manual_reshard_unshard_lifecycle",
+    "_test_fully_shard_module.py",
+    world_size=2,
+    mesh_shape=(2,),
+    config="FSDP 1D fp32",
+)
+def manual_reshard_unshard_lifecycle(ctx: CaseContext) -> None:
+    """unshard(async_op=True) twice, wait() on the handles, unshard() again: nothing raised, one
+    all-gather, the group's own params full (readable, equal to the reference weights: the initial
+    ones, then DDP's after 2 optimizer steps), the other groups' still sharded; reshard() twice:
+    nothing communicated, every param back to its shard, the unsharded tensors freed."""
+    world, rank = ctx.world_size, ctx.rank
+    model = MLP(DIMS)
+    ddp = ddp_of(model)
+    full_numel, shard_numel = _numels(model, world, rank)
+    ctx.require("every param splits over the ranks", all(shard_numel[n] < full_numel[n] for n in full_numel))
+    shard_nested(model, model.layers[:2], mesh=case_mesh((world,)))
+    targets = (("layers.0", model.layers[0], ("layers.0.weight", "layers.0.bias")), ("root", model, ROOT_OWN))
+
+    def lifecycle(label: str, tol: float | None) -> None:
+        """``tol`` None: the full params must equal the reference bitwise."""
+        ctx.require(f"{label}: every param sharded before", local_numels(model) == shard_numel)
+        refs = named_params(ddp)
+        for target_name, target, own in targets:
+            where = f"{label} {target_name}"
+            handles: list = []
+
+            def unshard_repeatedly(target: nn.Module = target, handles: list = handles) -> None:
+                handles.append(target.unshard(async_op=True))
+                handles.append(target.unshard(async_op=True))  # again while in flight
+                for handle in handles + handles:
+                    handle.wait()
+                handles.append(target.unshard())
+
+            with record_collectives() as rec:
+                raises_nothing(ctx, f"{where}: unshard(async_op=True) x2, wait() x4, unshard()", unshard_repeatedly)
+            ctx.true(
+                f"{where}: unshard(async_op=True) returns a handle",
+                len(handles) == 3 and all(hasattr(h, "wait") for h in handles[:2]),
+                str([type(h).__name__ for h in handles[:2]]),
+            )
+            ctx.true(f"{where}: unshard() returns None", len(handles) == 3 and handles[2] is None)
+            ctx.equal(f"{where}: all-gathers of the repeated unshards", len(rec.of("all_gather")), 1)
+            want = {name: full_numel[name] if name in own else shard_numel[name] for name in full_numel}
+            _record_numels(ctx, f"{where} unsharded", model, want, full_numel)
+            params = named_params(model)
+            unsharded = {name: params[name] for name in own}
+            for name in own:
+                param = params[name]
+                plain = not isinstance(param, DTensor)
+                ctx.true(f"{where} unsharded: {name} a plain tensor", plain, type(param).__name__)
+                if tol is None:
+                    ctx.equal(f"{where} unsharded: {name} == reference weights", param, refs[name])
+                else:
+                    ctx.close(f"{where} unsharded: {name} vs reference weights", param, refs[name], tol)
+            with record_collectives() as rec:
+                raises_nothing(ctx, f"{where}: reshard() x2", lambda t=target: (t.reshard(), t.reshard()))
+            ctx.equal(f"{where}: collectives issued by reshard", len(rec.calls), 0)
+            _record_numels(ctx, f"{where} resharded", model, shard_numel, full_numel)
+            params = named_params(model)
+            for name in own:
+                ctx.true(f"{where} resharded: {name} a DTensor", isinstance(params[name], DTensor))
+                ctx.equal(
+                    f"{where} resharded: the unsharded {name} freed (elements held)", local_numel(unsharded[name]), 0
+                )
+
+    lifecycle("initial", None)
+    train_against(ctx, model, ddp, rank_batches(rank, (4, DIMS[0])), square_mean, ctx.tol)
+    lifecycle("after 2 steps", ctx.tol.grad)
+
+
+@case(
+    "L1-09",
+    "test_fully_shard_list_input",
+    "_test_fully_shard_module.py",
+    world_size=2,
+    mesh_shape=(2,),
+    config="FSDP 1D fp32",
+)
+def fully_shard_list_input(ctx: CaseContext) -> None:
+    """fully_shard([layer0, layer1]) returns a list of the two modules, each an HSDPModule with its
+    own group. Controlling one (reshard flags, gradient sync, unshard/reshard, a step using it
+    alone) leaves the other's params and grads as they would be; the whole model trains like DDP
+    with finite grads."""
+    world, rank, tol = ctx.world_size, ctx.rank, ctx.tol
+    mesh = case_mesh((world,))
+    model = MLP(DIMS)
+    ddp = ddp_of(model)
+    full_numel, shard_numel = _numels(model, world, rank)
+    listed = [model.layers[0], model.layers[1]]
+    returned = fully_shard(listed, mesh=mesh)
+    ctx.true("returns a list", isinstance(returned, list), type(returned).__name__, "list")
+    ctx.require("one element per listed module", isinstance(returned, list) and len(returned) == len(listed))
+    for i, (element, module) in enumerate(zip(returned, listed, strict=True)):
+        ctx.true(f"element {i} is an HSDPModule", isinstance(element, HSDPModule), type(element).__name__)
+        ctx.true(f"element {i} is listed module {i}", element is module)
+    fully_shard(model, mesh=mesh)  # the root's group holds layer 2
+    own = {i: (f"layers.{i}.weight", f"layers.{i}.bias") for i in range(len(listed))}
+
+    def grads_finite(label: str) -> None:
+        for name, param in named_params(model).items():
+            finite = param.grad is not None and bool(torch.isfinite(full(param.grad)).all())
+            ctx.true(f"{label} grad {name} finite", finite)
+
+    batches = rank_batches(rank, (4, DIMS[0]))
+    train_against(ctx, model, ddp, batches, square_mean, tol, after_backward=lambda step: grads_finite(f"step {step}"))
+
+    for mine, other in ((0, 1), (1, 0)):
+        controlled, label = returned[mine], f"controlling layers.{mine}:"
+
+        def layout(where: str, unsharded: bool, mine: int = mine, other: int = other) -> None:
+            want = {n: full_numel[n] if unsharded and n in own[mine] else shard_numel[n] for n in full_numel}
+            _record_numels(ctx, where, model, want, own[mine] + own[other])
+
+        # reshard flags: only the controlled group stays unsharded after forward and backward
+        batch = rank_batch(20 + mine, rank, (4, DIMS[0]))
+        controlled.set_reshard_after_forward(False)
+        controlled.set_reshard_after_backward(False)
+        out = model(batch)
+        layout(f"{label} reshard flags off, after forward", unsharded=True)
+        out.float().square().mean().backward()
+        layout(f"{label} reshard flags off, after backward", unsharded=True)
+        controlled.set_reshard_after_forward(True)
+        controlled.set_reshard_after_backward(True)
+        _reshard_all(model)
+        square_mean(ddp, batch).backward()
+        record_grads(ctx, f"{label} reshard flags off", model, ddp, tol.grad)
+        model.zero_grad()
+        ddp.zero_grad()
+
+        # gradient sync off for the controlled group: the others still reduce, like DDP
+        batch = rank_batch(30 + mine, rank, (4, DIMS[0]))
+        controlled.set_requires_gradient_sync(False)
+        with record_collectives() as rec:
+            square_mean(model, batch).backward()
+        controlled.set_requires_gradient_sync(True)
+        square_mean(ddp, batch).backward()
+        ctx.equal(f"{label} sync off: reduce-scatters (the other groups')", len(rec.of("reduce_scatter")), 2)
+        params = named_params(model)
+        for name in own[mine]:
+            ctx.true(f"{label} sync off: {name} has no grad yet", params[name].grad is None)
+        others = [n for n in full_numel if n not in own[mine]]
+        record_grads(ctx, f"{label} sync off, the others'", model, ddp, tol.grad, others)
+        model.zero_grad()
+        ddp.zero_grad()
+
+        # unshard / reshard of the controlled group only
+        controlled.unshard()
+        layout(f"{label} unshard()", unsharded=True)
+        controlled.reshard()
+        layout(f"{label} reshard()", unsharded=False)
+
+        # a step using the controlled layer alone: its grads equal DDP's of a copy, no other grads
+        layer = listed[mine]
+        twin = nn.Linear(layer.in_features, layer.out_features)
+        with torch.no_grad():
+            twin.weight.copy_(full(layer.weight))
+            twin.bias.copy_(full(layer.bias))
+        alone = ddp_of(twin)
+        batch = rank_batch(40 + mine, rank, (4, layer.in_features))
+        loss = square_mean(layer, batch)
+        loss.backward()
+        ref_loss = square_mean(alone, batch)
+        ref_loss.backward()
+        ctx.close(f"{label} used alone: loss", loss, ref_loss, tol.loss)
+        record_grads(ctx, f"{label} used alone", layer, alone, tol.grad)
+        params = named_params(model)
+        for name in others:
+            ctx.true(f"{label} used alone: {name} has no grad", params[name].grad is None)
+        layout(f"{label} used alone, after backward", unsharded=False)
+        model.zero_grad()
+
+    train_against(
+        ctx,
+        model,
+        ddp,
+        rank_batches(rank, (4, DIMS[0]), first=50),
+        square_mean,
+        tol,
+        label="after the controls",
+        after_backward=lambda step: grads_finite(f"after the controls step {step}"),
+    )

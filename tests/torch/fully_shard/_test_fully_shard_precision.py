@@ -1,18 +1,36 @@
-"""Plan cases of ``_test_fully_shard_precision.py``: numerics of fully_shard's options (L0 part)."""
+"""Plan cases of ``_test_fully_shard_precision.py``: numerics of fully_shard's options (L0-06/07/10,
+L1-06, L1-08, L1-10..13)."""
 
 from __future__ import annotations
+
+import copy
+import functools
+import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from tests.kit.api import HSDPModule, MixedPrecisionPolicy, fully_shard
 from tests.kit.case import CaseContext, case
 from tests.kit.models import MLP, rank_batches
 from tests.kit.recorder import CollectiveRecorder
-from tests.kit.reference import SameDtypeReference, ddp_of
-from tests.kit.tolerances import tolerance
-from tests.kit.training import case_mesh, named_params, shard_nested, square_mean, train_against
+from tests.kit.reference import SameDtypeReference, ddp_of, full
+from tests.kit.tolerances import Tolerance, specific, tolerance
+from tests.kit.training import (
+    case_mesh,
+    differs_across_ranks,
+    named_params,
+    padded_shard_numel,
+    raises_nothing,
+    record_grads,
+    shard_nested,
+    square_mean,
+    train_accumulating_against,
+    train_against,
+)
 
 DIMS = (7, 13, 5, 3)
 
@@ -78,18 +96,32 @@ def list_input_precision(ctx: CaseContext) -> None:
 
 
 class _DtypeProbe:
-    """What a module under a policy sees and emits: its inputs', compute params' and outputs' dtypes."""
+    """What a model under a policy is given and sees: the dtypes its caller passes to the root and to
+    the first layer (hooks run before fully_shard's), the dtypes their forwards receive and the first
+    layer's compute params (hooks run after fully_shard's), and the root's output dtype."""
 
     def __init__(self, first: nn.Module, root: nn.Module) -> None:
-        self.inputs: set[torch.dtype] = set()
+        self.given: dict[str, set[torch.dtype]] = {"root": set(), "first layer": set()}
+        self.seen: dict[str, set[torch.dtype]] = {"root": set(), "first layer": set()}
         self.params: set[torch.dtype] = set()
         self.outputs: set[torch.dtype] = set()
-        # registered after fully_shard: they see what the module's forward receives and returns
+        for where, module in (("root", root), ("first layer", first)):
+            # registered after fully_shard: prepended hooks run before its pre-hook, the others after
+            module.register_forward_pre_hook(functools.partial(self._inputs, self.given[where]), prepend=True)
+            module.register_forward_pre_hook(functools.partial(self._inputs, self.seen[where]))
         first.register_forward_pre_hook(self._pre_forward)
         root.register_forward_hook(self._post_forward)
 
+    @property
+    def inputs(self) -> set[torch.dtype]:
+        """What the first layer's forward receives."""
+        return self.seen["first layer"]
+
+    @staticmethod
+    def _inputs(into: set[torch.dtype], module: nn.Module, args: tuple) -> None:
+        into.add(args[0].dtype)
+
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
-        self.inputs.add(args[0].dtype)
         self.params.update(p.dtype for p in module.parameters(recurse=False))
 
     def _post_forward(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
@@ -111,49 +143,342 @@ def _names(dtypes: set[torch.dtype]) -> str:
 def mp_defaults_and_fp16(ctx: CaseContext) -> None:
     """The default MixedPrecisionPolicy computes and communicates in fp32; fp16/fp32/fp32 computes and
     gathers in fp16 and reduces in fp32 into fp32 grads; both match a same-dtype reference."""
-    mesh = case_mesh((ctx.world_size,))
     batches = rank_batches(ctx.rank, (4, DIMS[0]))
     configs = (
         ("default", MixedPrecisionPolicy(), tolerance("FSDP 1D fp32")),
         ("fp16/fp32/fp32", MixedPrecisionPolicy(torch.float16, torch.float32, torch.float32), ctx.tol),
     )
     for label, policy, tol in configs:
-        compute = policy.param_dtype or torch.float32
-        reduce = policy.reduce_dtype or compute
-        output = policy.output_dtype or compute
-        model = MLP(DIMS)
-        reference = SameDtypeReference(model, compute, reduce, policy.output_dtype, policy.cast_forward_inputs)
-        shard_nested(model, model.layers, mesh=mesh, mp_policy=policy)
-        probe = _DtypeProbe(model.layers[0], model)
-        recorders: list[CollectiveRecorder] = []
+        _train_under_policy(ctx, label, policy, tol, batches)
 
-        def grads_fp32(step: int, label: str = label, model: nn.Module = model) -> None:
-            for name, param in named_params(model).items():
-                grad = param.grad
-                ctx.true(
-                    f"{label} step {step} grad {name} is a DTensor", isinstance(grad, DTensor), type(grad).__name__
-                )
-                ctx.equal(
-                    f"{label} step {step} grad dtype {name}", str(getattr(grad, "dtype", None)), str(torch.float32)
-                )
+
+class _PolicyRun(NamedTuple):
+    model: nn.Module
+    probe: _DtypeProbe
+    recorders: list[CollectiveRecorder]
+
+
+def _train_under_policy(
+    ctx: CaseContext,
+    label: str,
+    policy: MixedPrecisionPolicy,
+    tol: Tolerance,
+    batches: list[torch.Tensor],
+    self_casting: bool = False,
+) -> _PolicyRun:
+    """Train a nested MLP under ``policy`` against ``SameDtypeReference`` (same compute dtype, explicit
+    reduction in the reduce dtype) and record what the policy promises: compute params, inputs and
+    outputs, all-gathers in the compute dtype, reductions in the reduce dtype, DTensor grads of the
+    sharded params' dtype (fp32), fp32 master params."""
+    compute = policy.param_dtype or torch.float32
+    reduce = policy.reduce_dtype or compute
+    output = policy.output_dtype or compute
+    given = batches[0].dtype
+    model = MLP(DIMS, self_casting=self_casting)
+    reference = SameDtypeReference(model, compute, reduce, policy.output_dtype, policy.cast_forward_inputs)
+    shard_nested(model, model.layers, mesh=case_mesh((ctx.world_size,)), mp_policy=policy)
+    probe = _DtypeProbe(model.layers[0], model)
+    recorders: list[CollectiveRecorder] = []
+
+    def grads_fp32(step: int) -> None:
+        for name, param in named_params(model).items():
+            grad = param.grad
+            ctx.true(f"{label} step {step} grad {name} is a DTensor", isinstance(grad, DTensor), type(grad).__name__)
+            ctx.equal(f"{label} step {step} grad dtype {name}", str(getattr(grad, "dtype", None)), str(torch.float32))
+
+    train_against(
+        ctx,
+        model,
+        reference,
+        batches,
+        square_mean,
+        tol,
+        label=label,
+        recorders=recorders,
+        after_backward=grads_fp32,
+    )
+    received = compute if policy.cast_forward_inputs else given
+    ctx.equal(f"{label} compute param dtype", _names(probe.params), _names({compute}))
+    ctx.equal(f"{label} input dtype seen by the first layer", _names(probe.inputs), _names({received}))
+    ctx.equal(f"{label} output dtype", _names(probe.outputs), _names({output}))
+    gathers = {c.dtype for rec in recorders for c in rec.of("all_gather")}
+    reductions = {c.dtype for rec in recorders for c in rec.of("reduce_scatter") + rec.of("all_reduce")}
+    ctx.equal(f"{label} all-gather dtype", _names(gathers), _names({compute}))
+    ctx.equal(f"{label} reduction dtype", _names(reductions), _names({reduce}))
+    masters = {p.dtype for p in model.parameters()}
+    ctx.equal(f"{label} sharded (master) param dtype", _names(masters), _names({torch.float32}))
+    return _PolicyRun(model, probe, recorders)
+
+
+# -- L1 ----------------------------------------------------------------------------------------
+@case(
+    "L1-06",
+    "test_ignored_params",
+    "_test_fully_shard_precision.py",
+    world_size=2,
+    mesh_shape=(2,),
+    config="FSDP 1D fp32",
+)
+def ignored_params(ctx: CaseContext) -> None:
+    """An ignored param stays the user's plain, whole tensor (not a DTensor; not moved, cast or
+    changed); its grad is never communicated (each rank keeps its own local grad, and no collective
+    carries it); the other params are sharded, reduce-scattered and train like DDP. The baseline is
+    DDP told to ignore the same param, so its grad stays rank-local too."""
+    world = ctx.world_size
+    ignored_name = "layers.1.weight"
+    model = MLP(DIMS)
+    ignored = model.layers[1].weight
+    original = ignored.detach().clone()
+    baseline = copy.deepcopy(model)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(baseline, [ignored_name])
+    ddp = DistributedDataParallel(baseline)
+    batches = rank_batches(ctx.rank, (4, DIMS[0]))
+    ctx.require("ranks' batches differ (a synced grad would equal, local ones not)", differs_across_ranks(batches[0]))
+    full_params = dict(model.named_parameters())
+    # layer 0 is a group of its own; the root's group holds layer 1's bias and layer 2
+    groups = [("layers.0.weight", "layers.0.bias"), ("layers.1.bias", "layers.2.weight", "layers.2.bias")]
+    gathered = sorted(padded_shard_numel([full_params[n] for n in names], world) for names in groups)
+    mesh = case_mesh((world,))
+    fully_shard(model.layers[0], mesh=mesh)
+    fully_shard(model, mesh=mesh, ignored_params=[ignored])
+
+    params = named_params(model)
+    ctx.true("the ignored param is still the user's tensor", params[ignored_name] is ignored)
+    ctx.true("the ignored param is not a DTensor", not isinstance(ignored, DTensor), type(ignored).__name__)
+    ctx.equal("the ignored param's numel == full numel", ignored.numel(), original.numel())
+    ctx.equal("the ignored param's dtype", str(ignored.dtype), str(original.dtype))
+    ctx.equal("the ignored param's device", str(ignored.device), str(original.device))
+    ctx.equal("the ignored param's data untouched", ignored.detach(), original)
+    for name, param in params.items():
+        if name != ignored_name:
+            ctx.true(f"{name} is sharded (a DTensor)", isinstance(param, DTensor), type(param).__name__)
+
+    def grads(step: int) -> None:
+        grad = ignored.grad
+        where = f"step {step} ignored grad"
+        ctx.true(f"{where}: a plain tensor", grad is not None and not isinstance(grad, DTensor), type(grad).__name__)
+        ctx.equal(f"{where}: numel == full numel", getattr(grad, "numel", lambda: 0)(), original.numel())
+        ctx.true(f"{where}: differs across ranks (not synced)", grad is not None and differs_across_ranks(grad))
+        for name, param in named_params(model).items():
+            if name != ignored_name:
+                ctx.true(f"step {step} grad {name} is a DTensor", isinstance(param.grad, DTensor))
+
+    recorders: list[CollectiveRecorder] = []
+    train_against(ctx, model, ddp, batches, square_mean, ctx.tol, recorders=recorders, after_backward=grads)
+    for step, rec in enumerate(recorders):
+        # children reshard after forward: layer 0 is gathered twice, the root (kept after forward) once
+        sent = sorted(c.numel for c in rec.of("all_gather"))
+        ctx.equal(f"step {step} all-gather sizes: managed params only", str(sorted(set(sent))), str(gathered))
+        scattered = sorted(c.numel for c in rec.of("reduce_scatter"))
+        ctx.equal(
+            f"step {step} reduce-scatter sizes: managed params only", str(scattered), str([world * n for n in gathered])
+        )
+        ctx.equal(f"step {step} all-reduces", len(rec.of("all_reduce")), 0)
+
+
+@case(
+    "L1-08",
+    "test_comm_fusion_numerical_correctness",
+    "_test_fully_shard_precision.py",
+    world_size=2,
+    mesh_shape=(2,),
+    config="FSDP 1D fp32",
+)
+def comm_fusion_numerical_correctness(ctx: CaseContext) -> None:
+    """comm_fusion on and off train the same model on the same data to the same numbers: per step,
+    losses, grad norms and grads within 1e-6 of each other, and the params after the last step;
+    both within 1e-5 of DDP. The fused run sends one all-gather / reduce-scatter per group (the
+    group's padded shards back to back), the unfused one one per param."""
+    world = ctx.world_size
+    mesh = case_mesh((world,))
+    batches = rank_batches(ctx.rank, (4, DIMS[0]), steps=3)
+    same = specific("comm fusion equivalence")
+    layers = MLP(DIMS).layers
+    # per step: each group (one per layer) gathered in forward and again in backward, reduced once
+    units = {
+        True: [padded_shard_numel(layer, world) for layer in layers],
+        False: [padded_shard_numel([p], world) for p in layers.parameters()],
+    }
+    runs: dict[bool, dict] = {}
+    for fused in (True, False):
+        label = f"comm_fusion={fused}"
+        model = MLP(DIMS)
+        ddp = ddp_of(model)
+        shard_nested(model, model.layers, mesh=mesh, comm_fusion=fused)
+        run: dict = {"loss": [], "grads": [], "recorders": []}
+
+        def loss_fn(module: nn.Module, x: torch.Tensor, model: nn.Module = model, run: dict = run) -> torch.Tensor:
+            loss = square_mean(module, x)
+            if module is model:
+                run["loss"].append(loss.detach().clone())
+            return loss
+
+        def keep_grads(step: int, model: nn.Module = model, run: dict = run) -> None:
+            run["grads"].append({n: full(p.grad).detach().clone() for n, p in named_params(model).items()})
 
         train_against(
             ctx,
             model,
-            reference,
+            ddp,
             batches,
-            square_mean,
-            tol,
-            label=label,
-            recorders=recorders,
-            after_backward=grads_fp32,
+            loss_fn,
+            ctx.tol,
+            label=f"{label} vs DDP",
+            recorders=run["recorders"],
+            after_backward=keep_grads,
         )
-        ctx.equal(f"{label} compute param dtype", _names(probe.params), _names({compute}))
-        ctx.equal(f"{label} input dtype seen by the first layer", _names(probe.inputs), _names({compute}))
-        ctx.equal(f"{label} output dtype", _names(probe.outputs), _names({output}))
-        gathers = {c.dtype for rec in recorders for c in rec.of("all_gather")}
-        reductions = {c.dtype for rec in recorders for c in rec.of("reduce_scatter") + rec.of("all_reduce")}
-        ctx.equal(f"{label} all-gather dtype", _names(gathers), _names({compute}))
-        ctx.equal(f"{label} reduction dtype", _names(reductions), _names({reduce}))
-        masters = {p.dtype for p in model.parameters()}
-        ctx.equal(f"{label} sharded (master) param dtype", _names(masters), _names({torch.float32}))
+        run["params"] = {n: full(p).detach().clone() for n, p in named_params(model).items()}
+        for step, rec in enumerate(run["recorders"]):
+            sent = sorted(c.numel for c in rec.of("all_gather"))
+            ctx.equal(f"{label} step {step} all-gather sizes", str(sent), str(sorted(2 * units[fused])))
+            scattered = sorted(c.numel for c in rec.of("reduce_scatter"))
+            ctx.equal(
+                f"{label} step {step} reduce-scatter sizes",
+                str(scattered),
+                str(sorted(world * n for n in units[fused])),
+            )
+        runs[fused] = run
+
+    fused, unfused = runs[True], runs[False]
+    counts = [(len(f.calls), len(u.calls)) for f, u in zip(fused["recorders"], unfused["recorders"], strict=True)]
+    ctx.require("fused and unfused runs issue different collectives", all(f < u for f, u in counts), str(counts))
+    for step in range(len(batches)):
+        where = f"step {step} fused vs unfused"
+        ctx.close(f"{where}: loss", fused["loss"][step], unfused["loss"][step], same)
+        norms = [
+            math.sqrt(sum(g.double().square().sum().item() for g in run["grads"][step].values()))
+            for run in (fused, unfused)
+        ]
+        ctx.close(f"{where}: grad norm", norms[0], norms[1], same)
+        for name, grad in fused["grads"][step].items():
+            ctx.close(f"{where}: grad {name}", grad, unfused["grads"][step][name], same)
+    for name, param in fused["params"].items():
+        ctx.close(f"after {len(batches)} steps fused vs unfused: param {name}", param, unfused["params"][name], same)
+
+
+@case(
+    "L1-10",
+    "test_mp_bf16_param_fp32_reduce",
+    "_test_fully_shard_precision.py",
+    world_size=2,
+    mesh_shape=(2,),
+    config="FSDP 1D bf16",
+)
+def mp_bf16_param_fp32_reduce(ctx: CaseContext) -> None:
+    """bf16/fp32/fp32: compute params and all-gathers bf16, reductions fp32, fp32 DTensor grads,
+    fp32 output; loss, grad norm and grads within 1e-3 of the bf16 same-dtype reference."""
+    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32, torch.float32)
+    _train_under_policy(ctx, "bf16/fp32/fp32", policy, ctx.tol, rank_batches(ctx.rank, (4, DIMS[0])))
+
+
+@case(
+    "L1-11",
+    "test_mp_bf16_all_bf16",
+    "_test_fully_shard_precision.py",
+    world_size=2,
+    mesh_shape=(2,),
+    config="FSDP 1D bf16",
+)
+def mp_bf16_all_bf16(ctx: CaseContext) -> None:
+    """bf16/bf16/bf16: compute, all-gathers, reductions and the output in bf16; param.grad keeps
+    the sharded param's dtype (fp32); loss, grad norm and grads within 1e-3 of the bf16 reference."""
+    policy = MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    _train_under_policy(ctx, "bf16/bf16/bf16", policy, ctx.tol, rank_batches(ctx.rank, (4, DIMS[0])))
+
+
+@case(
+    "L1-12",
+    "test_mp_cast_forward_inputs_false",
+    "_test_fully_shard_precision.py",
+    world_size=2,
+    mesh_shape=(2,),
+    config="FSDP 1D fp16",
+)
+def mp_cast_forward_inputs_false(ctx: CaseContext) -> None:
+    """fp16/fp32 with cast_forward_inputs=False: the root's and the first layer's forwards receive
+    their inputs in the dtype their caller passed (fp32 into the root and layer 0); a model that
+    casts what it needs itself trains without a dtype mismatch, finite losses, within 1e-3 of the
+    fp16 reference that does not cast inputs either."""
+    label = "fp16/fp32 no input cast"
+    policy = MixedPrecisionPolicy(torch.float16, torch.float32, cast_forward_inputs=False)
+    batches = rank_batches(ctx.rank, (4, DIMS[0]))
+    ctx.require(
+        "the inputs' dtype differs from param_dtype (a cast would show)", batches[0].dtype != policy.param_dtype
+    )
+    run = raises_nothing(
+        ctx,
+        "training raises nothing (no dtype mismatch)",
+        lambda: _train_under_policy(ctx, label, policy, ctx.tol, batches, self_casting=True),
+    )
+    for step, loss in enumerate(ctx.series.get(f"{label} loss", {}).get("ours", [])):
+        ctx.true(f"{label} step {step} loss finite", math.isfinite(loss), loss)
+    if run is None:
+        return
+    for where in ("root", "first layer"):
+        given, seen = run.probe.given[where], run.probe.seen[where]
+        ctx.equal(f"{label} {where}: dtype its forward receives == dtype passed in", _names(seen), _names(given))
+    ctx.equal(f"{label} root: dtype passed in", _names(run.probe.given["root"]), _names({batches[0].dtype}))
+
+
+# per micro-batch of a step: held back unreduced, then two reductions that accumulate in the main grad
+MAIN_GRAD_SYNCS = (False, True, True)
+
+
+@case(
+    "L1-13",
+    "test_mp_apply_grad_on_fp32_main_grad",
+    "_test_fully_shard_precision.py",
+    world_size=2,
+    mesh_shape=(2,),
+    config="FSDP 1D fp16",
+)
+def mp_apply_grad_on_fp32_main_grad(ctx: CaseContext) -> None:
+    """fp16/fp32 with apply_grad_on_fp32_main_grad: per step a held-back micro-batch then two reduced
+    ones accumulate in param.main_grad, one persistent fp32 DTensor that param.grad is; after each
+    reduction and after 2 optimizer steps, loss, grads and params within 1e-5 of SameDtypeReference
+    (same fp16 compute, fp32 accumulation and reduction); zero_grad clears the main grads."""
+    policy = MixedPrecisionPolicy(torch.float16, torch.float32, apply_grad_on_fp32_main_grad=True)
+    main = specific("fp32 main grad")
+    tol = Tolerance(loss=main, grad=main)
+    model = MLP(DIMS)
+    reference = SameDtypeReference(model, torch.float16, torch.float32)
+    shard_nested(model, model.layers, mesh=case_mesh((ctx.world_size,)), mp_policy=policy)
+    buffers: dict[str, int] = {}
+
+    def main_grads(step: int, micro: int, rec: CollectiveRecorder) -> None:
+        where = f"step {step} micro {micro}"
+        gathers = {c.dtype for c in rec.of("all_gather")}
+        reductions = rec.of("reduce_scatter") + rec.of("all_reduce")
+        ctx.equal(f"{where} all-gather dtype", _names(gathers), _names({torch.float16}))
+        if not MAIN_GRAD_SYNCS[micro]:
+            ctx.equal(f"{where} reductions (held back)", len(reductions), 0)
+            return
+        ctx.equal(f"{where} reduction dtype", _names({c.dtype for c in reductions}), _names({torch.float32}))
+        for name, param in named_params(model).items():
+            buffer = getattr(param, "main_grad", None)
+            ctx.true(f"{where} {name}.grad is its main_grad", buffer is not None and param.grad is buffer)
+            ctx.true(f"{where} {name}.main_grad a DTensor", isinstance(buffer, DTensor), type(buffer).__name__)
+            ctx.equal(f"{where} {name}.main_grad dtype", str(getattr(buffer, "dtype", None)), str(torch.float32))
+            first = buffers.setdefault(name, id(buffer))
+            ctx.true(f"{where} {name}.main_grad is one persistent buffer", id(buffer) == first)
+        record_grads(ctx, f"{where} accumulated", model, reference, tol.grad)
+
+    train_accumulating_against(
+        ctx,
+        model,
+        reference,
+        [rank_batches(ctx.rank, (4, DIMS[0]), len(MAIN_GRAD_SYNCS), first=10 * step) for step in range(2)],
+        square_mean,
+        tol,
+        accumulate=lambda holding: model.set_requires_gradient_sync(not holding),
+        after_micro=main_grads,
+        sync_micro=lambda micro: MAIN_GRAD_SYNCS[micro],
+    )
+    square_mean(model, rank_batches(ctx.rank, (4, DIMS[0]), first=90)[0]).backward()
+    ctx.require("main grads hold a reduced grad before zero_grad", all(p.grad is not None for p in model.parameters()))
+    model.zero_grad()
+    for name, param in named_params(model).items():
+        ctx.true(f"after zero_grad: {name}.grad is None", param.grad is None)
+        buffer = getattr(param, "main_grad", None)
+        zeros = buffer is not None and not bool(full(buffer).any())
+        ctx.true(f"after zero_grad: {name}.main_grad zeros", zeros)
