@@ -15,13 +15,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tests.kit.api import fully_shard
 from tests.kit.models import MLP, rank_batch
 from tests.kit.reference import assert_close, ddp_of, full
 from tests.kit.tolerances import tolerance
+from tests.kit.training import case_mesh
 
 
 def _sharded_mlp(mesh) -> MLP:
@@ -65,7 +65,7 @@ def _assert_bitwise(what: str, a, b) -> None:
 def dcp_round_trip(mesh_shape: tuple[int, ...] = (2,)) -> None:
     """Save model + Adam state with DCP, load into a freshly sharded model: bitwise equal,
     and the next step is bitwise equal too."""
-    mesh = init_device_mesh("cpu", mesh_shape)
+    mesh = case_mesh(mesh_shape)
     model = _sharded_mlp(mesh)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for step in range(2):
@@ -97,7 +97,7 @@ def dcp_round_trip(mesh_shape: tuple[int, ...] = (2,)) -> None:
 def full_state_dict_round_trip() -> None:
     """get_model_state_dict(full) equals DDP's weights; set_model_state_dict(full) loads them
     into a fresh sharded model; a state dict taken mid-iteration is still sharded."""
-    mesh = init_device_mesh("cpu", (2,))
+    mesh = case_mesh((2,))
     model = _sharded_mlp(mesh)
     ddp = ddp_of(MLP((7, 13, 5, 3)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)

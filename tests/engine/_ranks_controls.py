@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -14,19 +13,14 @@ from tests.kit.models import MLP, rank_batch
 from tests.kit.recorder import record_collectives
 from tests.kit.reference import assert_close, assert_params_close, ddp_of, full
 from tests.kit.tolerances import specific, tolerance
+from tests.kit.training import case_mesh, shard_nested
 
 FP32 = tolerance("FSDP 1D fp32")
 
 
-def _mesh(shape: tuple[int, ...]):
-    return init_device_mesh("cpu", shape)
-
-
 def _nested_mlp(mesh, dims=(7, 13, 5, 3), **kwargs) -> MLP:
     model = MLP(dims)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, **kwargs)
-    fully_shard(model, mesh=mesh, **kwargs)
+    shard_nested(model, model.layers, mesh=mesh, **kwargs)
     return model
 
 
@@ -37,7 +31,7 @@ def _loss(model: nn.Module, step: int, dims0: int = 7) -> torch.Tensor:
 def collective_counts(mesh_shape: tuple[int, ...], comm_fusion: bool) -> dict[str, int]:
     """Fused: one all-gather per group per unshard and one reduce-scatter per group;
     unfused: one per param; HSDP: one all-reduce per reduce-scatter."""
-    model = _nested_mlp(_mesh(mesh_shape), comm_fusion=comm_fusion)
+    model = _nested_mlp(case_mesh(mesh_shape), comm_fusion=comm_fusion)
     layers, per_group = len(model.layers), 1 if comm_fusion else 2
     with record_collectives() as rec:
         _loss(model, 0).backward()
@@ -60,7 +54,7 @@ def collective_counts(mesh_shape: tuple[int, ...], comm_fusion: bool) -> dict[st
 
 def unshard_reshard_lifecycle() -> None:
     """unshard (sync and async) and reshard are idempotent and expose the right tensors."""
-    mesh = _mesh((2,))
+    mesh = case_mesh((2,))
     model = _nested_mlp(mesh)
     layer = model.layers[0]
     expected = {n: full(p).clone() for n, p in layer.named_parameters()}
@@ -89,7 +83,7 @@ def reshard_controls_match_ddp() -> None:
     rank = dist.get_rank()
     model = MLP((7, 13, 5, 3))
     ddp = ddp_of(model)
-    mesh = _mesh((2,))
+    mesh = case_mesh((2,))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -127,7 +121,7 @@ def reduce_op_sum_is_world_times_avg() -> None:
     world = dist.get_world_size()
     model = MLP((7, 13, 5, 3))
     ddp = ddp_of(model)
-    mesh = _mesh((world,))
+    mesh = case_mesh((world,))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -142,7 +136,7 @@ def reduce_op_sum_is_world_times_avg() -> None:
 def deferred_last_backward() -> None:
     """set_is_last_backward(False) leaves reductions in flight; the next last backward lands
     both, equal to DDP's grads accumulated over the two backwards."""
-    model = _nested_mlp(_mesh((2,)), dims=(7, 13, 5, 3))
+    model = _nested_mlp(case_mesh((2,)), dims=(7, 13, 5, 3))
     ddp = ddp_of(MLP((7, 13, 5, 3)))
     model.set_is_last_backward(False)
     _loss(model, 0).backward()
@@ -156,7 +150,7 @@ def deferred_last_backward() -> None:
 
 def prefetch_follows_lists() -> None:
     """Explicit prefetch lists decide the order of all-gathers, and results stay equal to DDP."""
-    mesh = _mesh((2,))
+    mesh = case_mesh((2,))
     model = MLP((7, 13, 5, 3))
     ddp = ddp_of(model)
     for layer in model.layers:
@@ -185,7 +179,7 @@ def _padded_numel(layer: nn.Module, world: int) -> int:
 
 def zero_grad_clears_everything() -> None:
     """zero_grad drops sharded grads and locally accumulated unsharded grads."""
-    model = _nested_mlp(_mesh((2,)))
+    model = _nested_mlp(case_mesh((2,)))
     ddp = ddp_of(MLP((7, 13, 5, 3)))
     snapshot = {n: full(p).clone() for n, p in model.named_parameters()}
     model.set_requires_gradient_sync(False)
@@ -208,7 +202,7 @@ def zero_grad_clears_everything() -> None:
 
 def recurse_false_touches_own_group_only() -> None:
     """root.set_requires_gradient_sync(False, recurse=False): children still reduce."""
-    mesh = _mesh((2,))
+    mesh = case_mesh((2,))
     model = MLP((7, 13, 5, 3))
     fully_shard(model.layers[0], mesh=mesh)
     fully_shard(model.layers[1], mesh=mesh)
@@ -223,7 +217,7 @@ def recurse_false_touches_own_group_only() -> None:
 def requires_all_reduce_hsdp() -> None:
     """HSDP 2x2: without the replicate all-reduce the replica groups' grads differ; with it
     they agree and equal DDP's."""
-    mesh = _mesh((2, 2))
+    mesh = case_mesh((2, 2))
     model = _nested_mlp(mesh)
     ddp = ddp_of(MLP((7, 13, 5, 3)))
     replicas = mesh.get_group(0)
@@ -259,7 +253,7 @@ def ignored_params_untouched() -> None:
     # DDP reads the ignore list at construction (the deep copy carries the attribute)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["layers.1.weight"])
     ddp = ddp_of(model)
-    fully_shard(model, mesh=_mesh((2,)), ignored_params=[ignored])
+    fully_shard(model, mesh=case_mesh((2,)), ignored_params=[ignored])
     assert type(ignored) is nn.Parameter and ignored is model.layers[1].weight
     x = rank_batch(0, rank, (4, 7))
     model(x).square().mean().backward()
@@ -297,8 +291,8 @@ def _assert_untouched(model: nn.Module, what: str) -> None:
 
 def bad_input_is_refused_before_any_change() -> None:
     """Every argument and setter is checked, naming it, before anything changes."""
-    mesh = _mesh((2,))
-    mesh3d = init_device_mesh("cpu", (1, 1, 2))
+    mesh = case_mesh((2,))
+    mesh3d = case_mesh((1, 1, 2))
     stray = nn.Parameter(torch.ones(1))
     cases = [
         ("non-module", lambda m: fully_shard("layer", mesh=mesh), TypeError, "module"),
@@ -391,7 +385,7 @@ class _FailingBackward(torch.autograd.Function):
 
 def recovers_after_failed_iterations() -> None:
     """A forward or a backward that raises leaves the engine usable: the next step equals DDP."""
-    model = _nested_mlp(_mesh((2,)))
+    model = _nested_mlp(case_mesh((2,)))
     ddp = ddp_of(MLP((7, 13, 5, 3)))
     x = rank_batch(0, dist.get_rank(), (4, 7))
     # fail between layers, after the later layers' backward already started

@@ -10,15 +10,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
 from tests.kit.api import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from tests.kit.models import MLP, rank_batch
+from tests.kit.models import MLP, Checkpointed, rank_batch
 from tests.kit.recorder import record_collectives
 from tests.kit.reference import SameDtypeReference, assert_close, assert_params_close, ddp_of
 from tests.kit.tolerances import specific, tolerance
+from tests.kit.training import case_mesh
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}
 STEPS = 3
@@ -57,7 +56,7 @@ def mixed_precision_matches_reference(
     policy = MixedPrecisionPolicy(p_dtype, r_dtype, o_dtype, cast_forward_inputs, main_grad)
     model = MLP((7, 13, 5, 3), self_casting=not cast_forward_inputs)
     reference = SameDtypeReference(model, p_dtype, r_dtype, o_dtype, cast_forward_inputs)
-    mesh = init_device_mesh("cpu", mesh_shape)
+    mesh = case_mesh(mesh_shape)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy, comm_fusion=comm_fusion)
     fully_shard(model, mesh=mesh, mp_policy=policy, comm_fusion=comm_fusion)
@@ -119,7 +118,7 @@ def mixed_precision_accumulation(
     policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32, apply_grad_on_fp32_main_grad=main_grad)
     model = MLP((7, 13, 5, 3))
     reference = SameDtypeReference(model, torch.bfloat16, torch.float32)
-    mesh = init_device_mesh("cpu", (2,))
+    mesh = case_mesh((2,))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -140,25 +139,15 @@ def mixed_precision_accumulation(
     return {"grad": worst}
 
 
-class _Checkpointed(nn.Module):
-    def __init__(self, inner: nn.Module, use_reentrant: bool) -> None:
-        super().__init__()
-        self.inner = inner
-        self.use_reentrant = use_reentrant
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.inner, x, use_reentrant=self.use_reentrant)
-
-
 def mixed_precision_with_checkpointing(use_reentrant: bool) -> dict[str, float]:
     """bf16 compute under activation checkpointing: recompute casts consistently, numbers hold."""
     rank = dist.get_rank()
     policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
     model = MLP((7, 13, 5, 3))
     reference = SameDtypeReference(model, torch.bfloat16, torch.float32)
-    mesh = init_device_mesh("cpu", (2,))
+    mesh = case_mesh((2,))
     for i, layer in enumerate(model.layers):
-        model.layers[i] = _Checkpointed(fully_shard(layer, mesh=mesh, mp_policy=policy), use_reentrant)
+        model.layers[i] = Checkpointed(fully_shard(layer, mesh=mesh, mp_policy=policy), use_reentrant)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     row = tolerance("FSDP 1D bf16")
     worst = 0.0
@@ -195,7 +184,7 @@ def ignored_params_never_cast() -> None:
     """An ignored param stays an fp32 plain tensor under a bf16 policy; its grad is local fp32."""
     policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
     model = _GainedMLP()
-    fully_shard(model, mesh=init_device_mesh("cpu", (2,)), mp_policy=policy, ignored_params=[model.gain])
+    fully_shard(model, mesh=case_mesh((2,)), mp_policy=policy, ignored_params=[model.gain])
     seen = []
     model.mlp.register_forward_hook(lambda m, a, out: seen.append(model.gain.dtype))
     model(rank_batch(0, dist.get_rank(), (4, 7))).square().mean().backward()
@@ -209,7 +198,7 @@ def cpu_offload_matches_ddp(pin_memory: bool) -> dict[str, float]:
     rank = dist.get_rank()
     model = MLP((7, 13, 5, 3))
     ddp = ddp_of(model)
-    mesh = init_device_mesh("cpu", (2,))
+    mesh = case_mesh((2,))
     policy = CPUOffloadPolicy(pin_memory=pin_memory)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, offload_policy=policy)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -13,6 +12,7 @@ from tests.kit.api import fully_shard
 from tests.kit.models import rank_batch
 from tests.kit.reference import assert_close, ddp_of, full
 from tests.kit.tolerances import tolerance
+from tests.kit.training import case_mesh
 
 STEPS = 3
 
@@ -49,7 +49,7 @@ def tp_fsdp_matches_ddp(comm_fusion: bool = True) -> dict[str, float]:
     groups see different ones. DDP runs over all 4 ranks on those same batches.
     """
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = case_mesh((2, 2), ("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")
     model = TwoBlocks()
     ddp = ddp_of(model)

@@ -9,22 +9,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils.checkpoint import checkpoint
 
 from tests.kit.api import fully_shard
-from tests.kit.models import MLP, BranchyNet, TiedEmbeddingNet, rank_batch, rank_tokens
+from tests.kit.models import MLP, BranchyNet, Checkpointed, TiedEmbeddingNet, rank_batch, rank_tokens
 from tests.kit.reference import assert_close, assert_params_close, ddp_of
 from tests.kit.tolerances import tolerance
+from tests.kit.training import case_mesh
 
 STEPS = 3
 LR = 1e-2
 
 
 def _mesh(shape: tuple[int, ...]):
-    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return case_mesh(shape, ("replicate", "shard") if len(shape) == 2 else ("shard",))
 
 
 def _config(shape: tuple[int, ...]) -> str:
@@ -131,21 +129,6 @@ def fsdp_matches_ddp(
     return worst
 
 
-class _Checkpointed(nn.Module):
-    """Runs ``inner`` under torch's activation checkpoint (reentrant or not) when enabled."""
-
-    def __init__(self, inner: nn.Module, use_reentrant: bool) -> None:
-        super().__init__()
-        self.inner = inner
-        self.use_reentrant = use_reentrant
-        self.enabled = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.enabled:
-            return self.inner(x)
-        return checkpoint(self.inner, x, use_reentrant=self.use_reentrant)
-
-
 def _train_pair(model: nn.Module, ddp: nn.Module, batches, loss_fn, tol) -> dict[str, float]:
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     ref_opt = torch.optim.Adam(ddp.parameters(), lr=LR)
@@ -174,7 +157,7 @@ def checkpointed_matches_ddp(use_reentrant: bool) -> dict[str, float]:
     rank = dist.get_rank()
     model = MLP((7, 13, 5, 3))
     for i, layer in enumerate(model.layers):
-        model.layers[i] = _Checkpointed(layer, use_reentrant)
+        model.layers[i] = Checkpointed(layer, use_reentrant)
     ddp = ddp_of(model)
     for wrapper in ddp.module.layers:
         wrapper.enabled = False  # the reference runs without activation checkpointing

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class SelfCastingLinear(nn.Linear):
@@ -89,6 +90,22 @@ class FeedForwardStack(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.out_norm(x)
+
+
+class Checkpointed(nn.Module):
+    """Runs ``inner`` under torch's activation checkpoint (reentrant or not) while ``enabled``;
+    a disabled copy is the same model without AC, for the reference."""
+
+    def __init__(self, inner: nn.Module, use_reentrant: bool) -> None:
+        super().__init__()
+        self.inner = inner
+        self.use_reentrant = use_reentrant
+        self.enabled = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return self.inner(x)
+        return checkpoint(self.inner, x, use_reentrant=self.use_reentrant)
 
 
 def rank_batch(step: int, rank: int, shape: tuple[int, ...], seed: int = 1000) -> torch.Tensor:
