@@ -124,7 +124,13 @@ def summarize(verdict: Verdict) -> dict[str, Any]:
         rows = [c for c in verdict.checks if word in c.name and c.error is not None]
         if not rows:
             return None, None
-        top = max(rows, key=lambda c: c.error)
+        # the check closest to (or furthest past) its tolerance; exact checks (tol 0) count
+        # only when they missed
+        def margin(c: Check) -> tuple[float, float]:
+            ratio = c.error / c.tol if c.tol else (float("inf") if c.error else 0.0)
+            return ratio, c.tol or 0.0
+
+        top = max(rows, key=margin)
         return top.error, top.tol
 
     loss_err, loss_tol = worst("loss")
