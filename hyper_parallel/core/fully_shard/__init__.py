@@ -1,13 +1,5 @@
-"""``fully_shard`` API and policies."""
+"""``fully_shard`` API (``api``) and policies (``utils``).
 
-from .api import HSDPModule, UnshardHandle, fully_shard
-from .utils import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-
-__all__ = [
-    "fully_shard",
-    "HSDPModule",
-    "UnshardHandle",
-    "MixedPrecisionPolicy",
-    "OffloadPolicy",
-    "CPUOffloadPolicy",
-]
+Kept empty on purpose: the mechanics under ``platform/torch`` import ``utils`` (the policies), and
+importing this package must not pull ``api`` in, which imports the mechanics (no import circle).
+"""
