@@ -162,18 +162,25 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     rows = []
-    with RankCluster.start(args.engines) as cluster, tqdm(selected, unit="case", file=sys.stdout) as bar:
-        for spec in bar:
-            bar.set_description(spec.id)
-            cluster.ensure_engines()  # a case that killed a rank must not take the next ones down
-            row = run_one(spec, out_dir, cluster)
-            rows.append(row)
-            bar.write(f"{'PASS' if row['passed'] else 'FAIL'}  {spec.id} {spec.name}  ({row['wall_seconds']} s)")
+    interrupted = False
+    try:
+        with RankCluster.start(args.engines) as cluster, tqdm(selected, unit="case", file=sys.stdout) as bar:
+            for spec in bar:
+                bar.set_description(spec.id)
+                cluster.ensure_engines()  # a case that killed a rank must not take the next ones down
+                row = run_one(spec, out_dir, cluster)
+                rows.append(row)
+                bar.write(f"{'PASS' if row['passed'] else 'FAIL'}  {spec.id} {spec.name}  ({row['wall_seconds']} s)")
+    except KeyboardInterrupt:  # the cluster is stopped by now; keep what finished
+        interrupted = True
     index = write_index(rows, out_dir, time.monotonic() - started)
     failed = [r["id"] for r in rows if not r["passed"]]
     print(f"{len(rows) - len(failed)}/{len(rows)} cases passed; evidence: {index}")
     if failed:
         print("failed:", ", ".join(failed))
+    if interrupted:
+        print(f"interrupted after {len(rows)} of {len(selected)} cases")
+        return 130
     return 1 if failed else 0
 
 
