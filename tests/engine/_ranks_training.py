@@ -12,10 +12,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tests.kit.api import fully_shard
+from tests.kit.case import StrictChecks
 from tests.kit.models import MLP, BranchyNet, Checkpointed, TiedEmbeddingNet, rank_batch, rank_tokens
 from tests.kit.reference import assert_close, assert_params_close, ddp_of
 from tests.kit.tolerances import tolerance
-from tests.kit.training import case_mesh
+from tests.kit.training import case_mesh, train_against
 
 STEPS = 3
 LR = 1e-2
@@ -130,22 +131,10 @@ def fsdp_matches_ddp(
 
 
 def _train_pair(model: nn.Module, ddp: nn.Module, batches, loss_fn, tol) -> dict[str, float]:
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    ref_opt = torch.optim.Adam(ddp.parameters(), lr=LR)
-    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
-    for step, batch in enumerate(batches):
-        ref_loss = loss_fn(ddp, batch)
-        ref_loss.backward()
-        loss = loss_fn(model, batch)
-        loss.backward()
-        worst["loss"] = max(worst["loss"], assert_close(f"step {step} loss", loss, ref_loss, tol.loss))
-        worst["grad"] = max(worst["grad"], assert_params_close(f"step {step} grad", model, ddp, tol.grad, True))
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        worst["param"] = max(worst["param"], assert_params_close(f"step {step} param", model, ddp, tol.grad))
-    return worst
+    """The kit's training comparison (loss, grad norm, grads, params per Adam step), strict."""
+    checks = StrictChecks()
+    train_against(checks, model, ddp, batches, loss_fn, tol)
+    return {word: checks.worst_error(word) for word in ("loss", "grad", "param")}
 
 
 def _square_mean(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

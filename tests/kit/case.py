@@ -107,7 +107,7 @@ def _as_number(value: Any) -> float | str:
 class CaseContext:
     """What a case body sees on one rank: its place in the run, its tolerances, its recorder."""
 
-    case: Case
+    case: Case | None  # None outside a registered case (StrictChecks)
     rank: int
     world_size: int
     checks: list[Check] = field(default_factory=list)
@@ -205,3 +205,22 @@ def _leave_for_inspection(ctx: CaseContext) -> None:
     except ImportError:  # pragma: no cover - the cluster module is always there on engines
         return
     keep(case_ctx=ctx, **ctx.kept)
+
+
+class StrictChecks(CaseContext):
+    """The same checks outside a case (engine tests): the first one that fails raises at once."""
+
+    def __init__(self) -> None:
+        super().__init__(case=None, rank=dist.get_rank(), world_size=dist.get_world_size())
+
+    def _record(self, name, measured, reference, tol, passed, error=None) -> bool:
+        super()._record(name, measured, reference, tol, passed, error)
+        if not passed:
+            raise AssertionError(
+                f"{name}: measured {measured}, reference {reference}, error {error}, tol {tol} (rank {self.rank})"
+            )
+        return True
+
+    def worst_error(self, word: str) -> float:
+        """The largest error among the checks whose name contains ``word``."""
+        return max((c.error for c in self.checks if word in c.name and c.error is not None), default=0.0)

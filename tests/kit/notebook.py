@@ -124,6 +124,7 @@ def summarize(verdict: Verdict) -> dict[str, Any]:
         rows = [c for c in verdict.checks if word in c.name and c.error is not None]
         if not rows:
             return None, None
+
         # the check closest to (or furthest past) its tolerance; exact checks (tol 0) count
         # only when they missed
         def margin(c: Check) -> tuple[float, float]:
