@@ -26,10 +26,15 @@ from tests.kit._watchdog import owned_processes, sweep
 from tests.kit.cluster import REPO_ROOT, RankCluster, RankFailure
 
 
-def _needs_owned(cluster: RankCluster) -> None:
-    """Skip tests that kill or restart engines when the session joined someone's cluster."""
-    if cluster.cluster is None:
-        pytest.skip("needs a cluster started by this session (engines get killed)")
+@pytest.fixture(scope="module")
+def owned_cluster(cluster: RankCluster):
+    """The session's cluster when this session started it; else (the session joined someone's
+    cluster) a private one: these tests kill and restart engines."""
+    if cluster.cluster is not None:
+        yield cluster
+    else:
+        with RankCluster.start(2) as private:
+            yield private
 
 
 def test_allreduce_results_indexed_by_rank(cluster):
@@ -74,11 +79,10 @@ def test_error_names_rank_fast_and_next_run_works(cluster):
     assert cluster.run(ranks.trivial, 2) == [0, 1]
 
 
-def test_hang_reports_every_stack_and_next_run_works(cluster):
-    _needs_owned(cluster)
+def test_hang_reports_every_stack_and_next_run_works(owned_cluster):
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        cluster.run(ranks.hang_in_collective, 2, timeout=5)
+        owned_cluster.run(ranks.hang_in_collective, 2, timeout=5)
     elapsed = time.monotonic() - t0
     failure = info.value
     print(f"hang case finished in {elapsed:.1f} s")
@@ -88,28 +92,26 @@ def test_hang_reports_every_stack_and_next_run_works(cluster):
     assert "hang_in_collective" in failure.failures[0]
     assert "all_reduce" in failure.failures[0]
     assert "sleep_forever" in failure.failures[1]
-    assert cluster.run(ranks.allreduce_sum, 2)[1]["sum"] == 3.0
+    assert owned_cluster.run(ranks.allreduce_sum, 2)[1]["sum"] == 3.0
 
 
-def test_deadlock_in_gloo_recv_reports_stacks(cluster):
-    _needs_owned(cluster)
+def test_deadlock_in_gloo_recv_reports_stacks(owned_cluster):
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        cluster.run(ranks.deadlock_in_recv, 2, timeout=3)
+        owned_cluster.run(ranks.deadlock_in_recv, 2, timeout=3)
     elapsed = time.monotonic() - t0
     print(f"deadlock case finished in {elapsed:.1f} s")
     assert elapsed < 3 + 20
     for rank in (0, 1):
         assert "deadlock_in_recv" in info.value.failures[rank]
-    assert cluster.run(ranks.allreduce_sum, 2)[0]["sum"] == 3.0
+    assert owned_cluster.run(ranks.allreduce_sum, 2)[0]["sum"] == 3.0
 
 
-def test_ranks_deaf_to_sigint_are_killed_and_restarted(cluster):
-    _needs_owned(cluster)
-    old = cluster.pids[:2]
+def test_ranks_deaf_to_sigint_are_killed_and_restarted(owned_cluster):
+    old = owned_cluster.pids[:2]
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        cluster.run(ranks.deaf_to_sigint, 2, timeout=3)
+        owned_cluster.run(ranks.deaf_to_sigint, 2, timeout=3)
     elapsed = time.monotonic() - t0
     failure = info.value
     print(f"deaf case finished in {elapsed:.1f} s")
@@ -118,27 +120,25 @@ def test_ranks_deaf_to_sigint_are_killed_and_restarted(cluster):
         assert "sleep_forever" in failure.failures[rank]
         assert "engine killed and restarted" in failure.failures[rank]
     assert "restarted engines of ranks [0, 1]" in str(failure)
-    assert set(cluster.pids[:2]).isdisjoint(old)
-    assert [cluster.view(r).targets for r in (0, 1)] == [0, 1]
-    assert cluster.run(ranks.allreduce_sum, 2)[0]["sum"] == 3.0
+    assert set(owned_cluster.pids[:2]).isdisjoint(old)
+    assert [owned_cluster.view(r).targets for r in (0, 1)] == [0, 1]
+    assert owned_cluster.run(ranks.allreduce_sum, 2)[0]["sum"] == 3.0
 
 
-def test_engine_killed_between_runs_is_restarted(cluster):
-    _needs_owned(cluster)
-    old_pid = cluster.pids[1]
+def test_engine_killed_between_runs_is_restarted(owned_cluster):
+    old_pid = owned_cluster.pids[1]
     engine = psutil.Process(old_pid)
     engine.kill()
     engine.wait(timeout=10)  # dead before the run starts (else it dies during the run)
-    assert cluster.run(ranks.trivial, 2) == [0, 1]
-    assert cluster.pids[1] != old_pid
+    assert owned_cluster.run(ranks.trivial, 2) == [0, 1]
+    assert owned_cluster.pids[1] != old_pid
 
 
 @pytest.mark.parametrize("how", ["exit", "sigkill", "segfault"])
-def test_dead_engine_named_and_restarted(cluster, how):
-    _needs_owned(cluster)
-    old_pid = cluster.pids[1]
+def test_dead_engine_named_and_restarted(owned_cluster, how):
+    old_pid = owned_cluster.pids[1]
     with pytest.raises(RankFailure) as info:
-        cluster.run(ranks.die_on_rank, 2, how, timeout=60)
+        owned_cluster.run(ranks.die_on_rank, 2, how, timeout=60)
     failure = info.value
     print(f"{how}: death reported after {failure.elapsed_s:.2f} s")
     assert failure.elapsed_s < 5
@@ -146,9 +146,9 @@ def test_dead_engine_named_and_restarted(cluster, how):
     if how == "segfault":
         assert "Segmentation fault" in failure.failures[1]
     assert not _alive(old_pid)
-    assert cluster.pids[1] != old_pid
-    assert cluster.view(1).targets == 1  # engine id == rank survives the restart
-    assert cluster.run(ranks.trivial, 2) == [0, 1]
+    assert owned_cluster.pids[1] != old_pid
+    assert owned_cluster.view(1).targets == 1  # engine id == rank survives the restart
+    assert owned_cluster.run(ranks.trivial, 2) == [0, 1]
 
 
 def test_warm_overhead_under_one_second(cluster):
@@ -163,9 +163,8 @@ def test_warm_overhead_under_one_second(cluster):
     assert times[2] < 1.0
 
 
-def test_join_runs_on_existing_engines_and_leaves_them(cluster):
-    if cluster.cluster is None:
-        pytest.skip("session already joined a cluster")
+def test_join_runs_on_existing_engines_and_leaves_them(owned_cluster):
+    cluster = owned_cluster
     joined = RankCluster.join(cluster.cluster.cluster_id, profile=cluster.cluster.profile or None)
     try:
         assert joined.pids == cluster.pids
