@@ -1,9 +1,10 @@
 """Per-module hooks of one ``fully_shard`` group and the per-backward bookkeeping.
 
 A module's forward pre-hook casts inputs, unshards its group and attaches a post-backward
-trigger to the inputs that need grad; its forward hook reshards (unless it is the root of
-this forward or ``reshard_after_forward`` is off), casts outputs and hooks the outputs so the
-group is unsharded again before its backward runs. The post-backward trigger fires when the
+trigger to the inputs that need grad; its forward hook reshards (unless it is a root -- the
+first sharded module whose forward ran -- or ``reshard_after_forward`` is off), casts outputs
+and hooks the outputs so the group is unsharded again before its backward runs. The
+post-backward trigger fires when the
 grads w.r.t. the module's inputs are done, which is after its params' grads; modules whose
 inputs need no grad (the first layer) are finished by a callback at the end of backward.
 
