@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tests.kit.api import MixedPrecisionPolicy, fully_shard
 from tests.kit.models import MLP, rank_batch
 from tests.kit.recorder import record_collectives
-from tests.kit.reference import assert_close, assert_params_close, ddp_of, full
+from tests.kit.reference import assert_close, assert_params_close, ddp_of, full, gather_from
 from tests.kit.tolerances import specific, tolerance
 from tests.kit.training import case_mesh, shard_nested
 
@@ -225,9 +225,8 @@ def requires_all_reduce_hsdp() -> None:
     def replica_gap() -> float:
         gap = 0.0
         for param in model.parameters():
-            local = param.grad.to_local().contiguous()
-            both = [torch.empty_like(local) for _ in range(2)]
-            dist.all_gather(both, local, group=replicas)
+            local = param.grad.to_local()
+            both = gather_from(local, replicas)
             gap = max(gap, (both[0] - both[1]).abs().max().item() if local.numel() else 0.0)
         return gap
 
@@ -267,8 +266,7 @@ def ignored_params_untouched() -> None:
         if param is not ignored:
             assert isinstance(param, DTensor), f"{name} not sharded"
             assert_close(f"grad {name}", param.grad, ref[name].grad, FP32.grad)
-    others = [torch.empty_like(ignored.grad) for _ in range(2)]
-    dist.all_gather(others, ignored.grad)
+    others = gather_from(ignored.grad)
     assert (others[0] - others[1]).abs().max() > 1e-4, "ignored grads equal across ranks: synced?"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,9 +46,9 @@ def assert_close(what: str, measured: torch.Tensor, reference: torch.Tensor, tol
 
 def assert_params_close(what: str, model: nn.Module, reference: nn.Module, tol: float, grads: bool = False) -> float:
     """Every param (or grad) of ``model`` equals the reference's, by name, within ``tol``."""
-    ref = dict(_named(reference))
+    ref = named_params(reference)
     worst = 0.0
-    for name, param in _named(model):
+    for name, param in named_params(model).items():
         ours, theirs = (param.grad, ref[name].grad) if grads else (param, ref[name])
         if (ours is None) != (theirs is None):
             raise AssertionError(f"{what} {name}: grad None mismatch (ours {ours is None})")
@@ -56,9 +57,13 @@ def assert_params_close(what: str, model: nn.Module, reference: nn.Module, tol: 
     return worst
 
 
-def _named(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+def named_params(model: Any) -> dict[str, nn.Parameter]:
+    """Params by name; DDP's ``module.`` prefix removed so names match the model under test. A dict
+    (params captured earlier, by name) is returned as it is."""
+    if isinstance(model, dict):
+        return model
     inner = model.module if isinstance(model, DistributedDataParallel) else model
-    return inner.named_parameters()  # SameDtypeReference names its fp32 master params
+    return dict(inner.named_parameters())
 
 
 class SameDtypeReference:
@@ -116,3 +121,31 @@ class SameDtypeReference:
             dist.all_reduce(grad, op=dist.ReduceOp.AVG)
             grad = grad.to(master.dtype)
             master.grad = grad if master.grad is None else master.grad.add_(grad)
+
+
+def gather_from(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (its full value for a DTensor, else the local tensor), in the rank
+    order of ``group`` (collective: all ranks of ``group`` call, with tensors of one shape)."""
+    local = full(tensor).detach().contiguous()
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    return gathered
+
+
+class GlobalBatchReference:
+    """The single-device fp32 baseline: every rank runs one unsharded copy of the model on the
+    global batch (all ranks' batches concatenated in rank order), so its loss is the global-batch
+    loss and its grads the full-batch grads, with no gradient communication at all. Compare the
+    model's loss with ``train_against(..., mean_loss_over_ranks=True)``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.module = copy.deepcopy(model)
+
+    def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters()
+
+    def parameters(self) -> Iterable[nn.Parameter]:
+        return self.module.parameters()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(torch.cat(gather_from(x)))

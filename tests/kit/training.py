@@ -6,7 +6,6 @@ sharding, rank-data preconditions, the expected shard layout)."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -21,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tests.kit.api import HSDPModule, fully_shard
 from tests.kit.case import CaseContext
 from tests.kit.recorder import CollectiveRecorder, record_collectives
-from tests.kit.reference import SameDtypeReference, full
+from tests.kit.reference import SameDtypeReference, full, gather_from, named_params
 from tests.kit.tolerances import Tolerance
 
 
@@ -42,15 +41,6 @@ def shard_nested(model: nn.Module, children: Iterable[nn.Module], **kwargs: Any)
     for child in children:
         fully_shard(child, **kwargs)
     return fully_shard(model, **kwargs)
-
-
-def gather_from(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
-    """Every rank's ``tensor`` (its full value for a DTensor, else the local tensor), in the rank
-    order of ``group`` (collective: all ranks of ``group`` call, with tensors of one shape)."""
-    local = full(tensor).detach().contiguous()
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, local, group=group)
-    return gathered
 
 
 def differs_across_ranks(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:
@@ -102,34 +92,6 @@ def local_numels_after_forward(model: nn.Module) -> list[dict[str, int]]:
     seen: list[dict[str, int]] = []
     model.register_forward_hook(lambda module, args, out: seen.append(local_numels(module)))
     return seen
-
-
-class GlobalBatchReference:
-    """The single-device fp32 baseline: every rank runs one unsharded copy of the model on the
-    global batch (all ranks' batches concatenated in rank order), so its loss is the global-batch
-    loss and its grads the full-batch grads, with no gradient communication at all. Compare the
-    model's loss with ``train_against(..., mean_loss_over_ranks=True)``."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.module = copy.deepcopy(model)
-
-    def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
-        return self.module.named_parameters()
-
-    def parameters(self) -> Iterable[nn.Parameter]:
-        return self.module.parameters()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(torch.cat(gather_from(x)))
-
-
-def named_params(model: Any) -> dict[str, nn.Parameter]:
-    """Params by name; DDP's ``module.`` prefix removed so names match the model under test. A dict
-    (params captured earlier, by name) is returned as it is."""
-    if isinstance(model, dict):
-        return model
-    inner = model.module if isinstance(model, DistributedDataParallel) else model
-    return dict(inner.named_parameters())
 
 
 def grad_norm(model: Any) -> torch.Tensor:

@@ -7,9 +7,9 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from tests.kit.case import CaseContext, case
 from tests.kit.models import MLP, rank_batches
 from tests.kit.recorder import CollectiveRecorder
+from tests.kit.reference import GlobalBatchReference
 from tests.kit.tolerances import Tolerance, specific
 from tests.kit.training import (
-    GlobalBatchReference,
     case_mesh,
     differs_across_ranks,
     named_params,
