@@ -17,37 +17,15 @@ import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 HERE = Path(__file__).resolve().parent
-KERNEL = {"name": "hyper-parallel-kit", "display_name": "hyper-parallel-kit (Python 3)", "language": "python"}
+sys.path.insert(0, str(HERE.parent))
+from tests.kit.levels import LEVELS  # noqa: E402  (the repo root is on sys.path only now)
 
-LEVELS = {
-    "L0": (
-        "L0_coverage",
-        "L0 — coverage the plan takes as existing",
-        "mesh=None, nested groups, uneven shapes, offload, replicate_params, comm fusion, list input, "
-        "gradient sync, prefetch, mixed precision, TP + FSDP, DCP",
-    ),
-    "L1": (
-        "L1_interface",
-        "L1 — HSDPModule interface, one point each",
-        "the fully_shard() arguments and HSDPModule methods the plan found untested, and the mixed-precision matrix",
-    ),
-    "L2": (
-        "L2_coupling",
-        "L2 — feature coupling",
-        "gradient accumulation, frozen params, activation checkpointing (reentrant, non-reentrant, "
-        "selective, swap), clipping, dynamic shapes, PP + FSDP, EP + FSDP",
-    ),
-    "L3": (
-        "L3_networks",
-        "L3 — real network structures",
-        "decoder LLM (HSDP and FSDP), MoE with EP, ViT, chunked CE, a multimodal model; 2 steps, "
-        "dual metrics, bitwise rerun",
-    ),
-}
+KERNEL = {"name": "hyper-parallel-kit", "display_name": "hyper-parallel-kit (Python 3)", "language": "python"}
 
 PARAMETERS = """\
 cases = "all"              # "all", or case ids / plan names, comma-separated: "{example}"
-implementation_path = ""   # another hyper_parallel checkout to validate (put first on sys.path)
+implementation = ""        # implementation under test: "" (ours), a checkout PATH, "torch", "upstream:PATH"
+isolate = False            # fresh engines for every case (implementations with process-global state)
 backend = "auto"           # "auto": nccl with CUDA, gloo on CPU
 timeout = 0                # seconds per case; 0: each case's own timeout
 cluster_id = ""            # join this running ipyparallel cluster (the sweep passes its own)
@@ -59,10 +37,8 @@ SETUP = """\
 import pathlib
 import sys
 
-if implementation_path:
-    sys.path.insert(0, str(pathlib.Path(implementation_path).resolve()))
 root = next(p for p in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents] if (p / "tests" / "kit").is_dir())
-sys.path.insert(1 if implementation_path else 0, str(root))
+sys.path.insert(0, str(root))
 
 from tests.kit import notebook as nb
 
@@ -70,7 +46,7 @@ selected = nb.select_cases("{level}", cases)
 print(f"{{len(selected)}} {level} case(s):", ", ".join(c.id for c in selected) or "none yet")"""
 
 CONNECT = """\
-cluster = nb.connect(cluster_id, profile, engines) if selected else None
+cluster = nb.connect(cluster_id, profile, engines, implementation) if selected else None
 cluster"""
 
 DEBUG = """\
@@ -110,7 +86,7 @@ def _code(source: str, *tags: str):
 
 
 def build(level: str) -> nbformat.NotebookNode:
-    stem, title, scope = LEVELS[level]
+    stem, title, scope = LEVELS[level].notebook, LEVELS[level].title, LEVELS[level].scope
     example = f"{level}-01"
     cells = [
         new_markdown_cell(
@@ -127,7 +103,7 @@ def build(level: str) -> nbformat.NotebookNode:
         _code(SETUP.format(level=level)),
         _code(CONNECT, "nbval-ignore-output"),
         _code(
-            "verdicts = nb.run_cases(cluster, selected, timeout, backend) if selected else []",
+            "verdicts = nb.run_cases(cluster, selected, timeout, backend, isolate) if selected else []",
             "nbval-ignore-output",
         ),
         new_markdown_cell("## Verdicts\nEvery check of every case; `err` is the worst over ranks."),
@@ -158,7 +134,7 @@ def main() -> int:
     parser.add_argument("--levels", default=",".join(LEVELS), help="comma-separated levels")
     args = parser.parse_args()
     for level in args.levels.split(","):
-        path = HERE / f"{LEVELS[level][0]}.ipynb"
+        path = HERE / LEVELS[level].notebook_file
         nbformat.write(build(level), path)
         print(f"wrote {path}")
         if args.record:

@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tests.kit.cluster import keep
+from tests.kit.rank_runtime import keep
 
 
 def allreduce_sum() -> dict:

@@ -17,7 +17,7 @@ from tests.kit.training import train_against
 FILE = "_test_kit_faults.py"
 
 
-@case("KIT-OK", "kit_passing_case", FILE, world_size=2, mesh_shape=(2,), config="FSDP 1D fp32")
+@case("KIT-OK", "kit_passing_case", world_size=2, mesh={"dp": 2}, config="FSDP 1D fp32")
 def passing(ctx: CaseContext) -> None:
     """An all-reduce equals the sum of ranks on every rank."""
     total = torch.tensor([float(ctx.rank + 1)])
@@ -25,7 +25,7 @@ def passing(ctx: CaseContext) -> None:
     ctx.close("all-reduce sum", total, torch.tensor([3.0]), ctx.tol.loss)
 
 
-@case("KIT-WRONG-REF", "kit_wrong_reference", FILE, world_size=2, mesh_shape=(2,), config="FSDP 1D fp32")
+@case("KIT-WRONG-REF", "kit_wrong_reference", world_size=2, mesh={"dp": 2}, config="FSDP 1D fp32")
 def wrong_reference(ctx: CaseContext) -> None:
     """L0-01's training, against a DDP reference whose last bias is off by 1e-3: must fail."""
     from tests.kit.api import fully_shard
@@ -48,13 +48,13 @@ def _stuck_in_a_collective() -> None:
         time.sleep(3600)
 
 
-@case("KIT-HANG", "kit_hanging_case", FILE, world_size=2, mesh_shape=(2,), config="FSDP 1D fp32", timeout=5)
+@case("KIT-HANG", "kit_hanging_case", world_size=2, mesh={"dp": 2}, config="FSDP 1D fp32", timeout=5)
 def hanging(ctx: CaseContext) -> None:
     """Rank 0 waits in an all-reduce that rank 1 never joins."""
     _stuck_in_a_collective()
 
 
-@case("KIT-CRASH", "kit_crashing_case", FILE, world_size=2, mesh_shape=(2,), config="FSDP 1D fp32", timeout=30)
+@case("KIT-CRASH", "kit_crashing_case", world_size=2, mesh={"dp": 2}, config="FSDP 1D fp32", timeout=30)
 def crashing(ctx: CaseContext) -> None:
     """Rank 1 raises while rank 0 waits for it."""
     if ctx.rank == 1:
@@ -62,7 +62,7 @@ def crashing(ctx: CaseContext) -> None:
     dist.barrier()
 
 
-@case("KIT-DIE", "kit_dying_case", FILE, world_size=2, mesh_shape=(2,), config="FSDP 1D fp32", timeout=30)
+@case("KIT-DIE", "kit_dying_case", world_size=2, mesh={"dp": 2}, config="FSDP 1D fp32", timeout=30)
 def dying(ctx: CaseContext) -> None:
     """Rank 1's process exits outright while rank 0 waits for it."""
     if ctx.rank == 1:

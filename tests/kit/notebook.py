@@ -17,9 +17,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from tests.kit.case import LEVELS, REGISTRY, Case, Check
+from tests.kit.case import REGISTRY, Case, Check
 from tests.kit.cluster import RankCluster
-from tests.kit.verdict import Verdict, run_case
+from tests.kit.levels import LEVELS
+from tests.kit.surface import parse_spec
+from tests.kit.verdict import Verdict, judge_case
 
 PLAN_DIR = Path(__file__).resolve().parents[1] / "torch" / "fully_shard"
 PLAN_PACKAGE = "tests.torch.fully_shard"
@@ -35,7 +37,7 @@ def load_plan_cases() -> dict[str, Case]:
 def select_cases(level: str, cases: str | Iterable[str] = "all") -> list[Case]:
     """The level's cases, all or those named (ids like ``L1-03`` or plan names), in id order."""
     if level not in LEVELS:
-        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+        raise ValueError(f"level must be one of {tuple(LEVELS)}, got {level!r}")
     of_level = sorted((c for c in load_plan_cases().values() if c.level == level), key=lambda c: _id_key(c.id))
     if cases == "all" or cases == "" or cases is None:
         return of_level
@@ -52,21 +54,31 @@ def _id_key(case_id: str) -> tuple:
     return (0, int(parts), "") if parts.isdigit() else (1, 0, parts)
 
 
-def connect(cluster_id: str = "", profile: str = "", engines: int = 4) -> RankCluster:
-    """Join the running cluster ``cluster_id`` (the sweep's), or start one of ``engines`` ranks."""
+def connect(cluster_id: str = "", profile: str = "", engines: int = 4, implementation: str = "") -> RankCluster:
+    """Join the running cluster ``cluster_id`` (the sweep's), or start one of ``engines`` ranks
+    running ``implementation`` (a spec of ``tests.kit.surface``; '' = this repository's engine)."""
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")
+    spec = str(parse_spec(implementation)) if implementation else ""
     if cluster_id:
-        return RankCluster.join(cluster_id, profile=profile or None)
-    return RankCluster.start(engines, profile=profile or None)
+        return RankCluster.join(cluster_id, profile=profile or None, implementation=spec or None)
+    return RankCluster.start(engines, profile=profile or None, implementation=spec or None)
 
 
-def run_cases(cluster: RankCluster, cases: list[Case], timeout: float = 0, backend: str = "auto") -> list[Verdict]:
-    """Run each case on the warm cluster, one summary line each as it finishes."""
+def run_cases(
+    cluster: RankCluster, cases: list[Case], timeout: float = 0, backend: str = "auto", isolate: bool = False
+) -> list[Verdict]:
+    """Run each case on the warm cluster (fresh engines each with ``isolate``), one summary line each."""
     verdicts = []
     for spec in cases:
         if spec.world_size > cluster.n_engines:
             raise ValueError(f"{spec.id} needs {spec.world_size} ranks; the cluster has {cluster.n_engines}")
-        verdict = run_case(cluster, spec.id, timeout=timeout or None, backend=None if backend == "auto" else backend)
+        verdict = judge_case(
+            cluster,
+            spec.id,
+            isolate=isolate,
+            timeout=timeout or None,
+            backend=None if backend == "auto" else backend,
+        )
         print(verdict.summary(), flush=True)
         verdicts.append(verdict)
     return verdicts
@@ -74,10 +86,12 @@ def run_cases(cluster: RankCluster, cases: list[Case], timeout: float = 0, backe
 
 # -- what nbval checks -----------------------------------------------------------------------
 def _merged(checks: list[Check]) -> list[tuple[str, float | None, float | None, str, bool]]:
-    """One row per check name: worst error over ranks, its tolerance, what was seen, pass."""
+    """One row per check name: worst error over ranks, its tolerance, what was seen, pass.
+    Extra checks (beyond the plan) are named ``[extra] ...``."""
     rows: dict[str, list[Check]] = {}
     for check in checks:
-        rows.setdefault(check.name, []).append(check)
+        name = check.name if check.extra is None else f"[extra] {check.name}"
+        rows.setdefault(name, []).append(check)
     merged = []
     for name, group in rows.items():
         errors = [c.error for c in group if c.error is not None]
@@ -89,7 +103,11 @@ def _merged(checks: list[Check]) -> list[tuple[str, float | None, float | None, 
 def verdict_text(verdict: Verdict) -> str:
     """The deterministic text of one verdict: per check, pass/FAIL with its tolerance."""
     head = f"{verdict.case.id} {verdict.case.name} [{verdict.case.world_size} ranks, {verdict.case.config}]"
-    lines = [f"{head}: {'PASS' if verdict.passed else 'FAIL'}"]
+    lines = [f"{head}: {verdict.status}"]
+    if verdict.unsupported:
+        lines.append("  unsupported: " + ", ".join(verdict.unsupported))
+    if verdict.leak:
+        lines.append("  " + verdict.leak)
     if verdict.failure:
         lines.append("  run failed: " + verdict.failure.splitlines()[0])
     for name, error, tol, seen, passed in _merged(verdict.checks):
@@ -113,6 +131,9 @@ def raise_if_failed(verdicts: list[Verdict]) -> None:
     failed = [v for v in verdicts if not v.passed]
     if failed:
         raise AssertionError("failed cases:\n\n" + "\n\n".join(v.report() for v in failed))
+    extras = [v for v in verdicts if not v.extras_passed]
+    if extras:
+        print("extra checks (beyond the plan) failed in: " + ", ".join(v.case.id for v in extras))
     print(f"all {len(verdicts)} case(s) passed")
 
 
@@ -142,9 +163,16 @@ def summarize(verdict: Verdict) -> dict[str, Any]:
         "level": verdict.case.level,
         "config": verdict.case.config,
         "world_size": verdict.case.world_size,
+        "status": verdict.status,
         "passed": verdict.passed,
+        "extras_passed": verdict.extras_passed,
+        "extras": len(verdict.extra_checks),
         "checks": len(verdict.checks),
         "failed_checks": len(verdict.failed_checks),
+        "first_failure": verdict.first_failure,
+        "unsupported": verdict.unsupported,
+        "leak": verdict.leak,
+        "origin": verdict.origin,
         "failure": verdict.failure,
         "loss_error": loss_err,
         "loss_tol": loss_tol,

@@ -1,57 +1,122 @@
-"""Records the collectives a rank issues, whatever implementation issues them.
+"""Records the collectives a rank issues, whatever implementation issues them and however.
 
-It wraps the public ``torch.distributed`` collectives for the duration of a ``with`` block,
-so any engine that calls them from Python (ours, torch FSDP2) is observed: op, dtype, element
-count, group size. DDP's reducer communicates from C++ and is not seen. Functions that are
-deprecated aliases of another (e.g. ``all_gather_into_tensor`` -> ``all_gather_single``) are
-recorded once, at the outermost call.
+A ``TorchDispatchMode`` watches the c10d ops at the dispatcher for the duration of a ``with``
+block: every ``torch.distributed`` call (positional or keyword arguments, any alias), every
+``ProcessGroup`` method called from Python or C++, and the functional collectives end there.
+Recorded per call: op kind, dtype, the element count this rank contributes, group size, and the
+bytes it puts on the wire under the ring algorithm. Ops issued from inside another tensor
+subclass's dispatch (e.g. a DTensor redistribution) are not seen.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
-# public name -> the op kind recorded
-_WRAPPED = {
-    "all_gather_single": "all_gather",
-    "all_gather_into_tensor": "all_gather",
-    "_all_gather_base": "all_gather",
-    "all_gather": "all_gather",
-    "reduce_scatter_single": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "_reduce_scatter_base": "reduce_scatter",
-    "reduce_scatter": "reduce_scatter",
-    "all_reduce": "all_reduce",
-    "all_to_all_single": "all_to_all",
-    "all_to_all": "all_to_all",
-    "broadcast": "broadcast",
-}
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @dataclass(frozen=True)
 class CollectiveCall:
     """One collective as this rank issued it."""
 
-    op: str
+    op: str  # all_gather, reduce_scatter, all_reduce, all_to_all, broadcast, send, recv
     dtype: torch.dtype | None
-    numel: int
+    numel: int  # elements this rank contributes (the input of a gather / scatter)
     group_size: int
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes this rank sends under the ring algorithm (all-gather and reduce-scatter: (W-1) x
+        shard; all-reduce: 2 (W-1)/W x buffer; all-to-all: (W-1)/W x input; others: the buffer)."""
+        size = self.numel * (self.dtype.itemsize if self.dtype is not None else 0)
+        w = self.group_size
+        if self.op == "all_gather":
+            return (w - 1) * size
+        if self.op in ("reduce_scatter", "all_to_all"):
+            return (w - 1) / w * size
+        if self.op == "all_reduce":
+            return 2 * (w - 1) / w * size
+        return float(size)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in an op argument (a tensor, or nested lists of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _group_size(args: tuple) -> int:
+    """Size of the process group among an op's arguments (the boxed ProcessGroup script object)."""
+    for value in args:
+        if isinstance(value, torch.ScriptObject) and "ProcessGroup" in str(value._type()):
+            return dist.ProcessGroup.unbox(value).size()
+    return 1
+
+
+# c10d op name -> (recorded kind, index of the argument holding what this rank contributes)
+_OPS: dict[str, tuple[str, int]] = {
+    "_allgather_base_": ("all_gather", 1),
+    "allgather_": ("all_gather", 1),
+    "allgather_coalesced_": ("all_gather", 1),
+    "allgather_into_tensor_coalesced_": ("all_gather", 1),
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "allreduce_": ("all_reduce", 0),
+    "allreduce_coalesced_": ("all_reduce", 0),
+    "alltoall_base_": ("all_to_all", 1),
+    "alltoall_": ("all_to_all", 1),
+    "broadcast_": ("broadcast", 0),
+    "send": ("send", 0),
+    "recv_": ("recv", 0),
+}
+
+
+# functional collectives (``_c10d_functional``): kind; the input is their first argument
+_FUNCTIONAL: dict[str, str] = {
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+}
+
+
+def _functional_group_size(args: tuple) -> int:
+    """Size of the group a functional collective names (its last string argument)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    names = [a for a in args if isinstance(a, str)]
+    try:
+        return _resolve_process_group(names[-1]).size() if names else 1
+    except (RuntimeError, ValueError, KeyError):
+        return 1
+
+
+def _contribution(name: str, index: int, args: tuple) -> list[torch.Tensor]:
+    """What this rank puts in: for list-of-lists inputs (reduce_scatter_) the first rank's list."""
+    value = args[index] if len(args) > index else None
+    if name == "reduce_scatter_" and isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    return _tensors(value)
 
 
 class CollectiveRecorder:
-    """The calls seen inside ``record()``, in issue order."""
+    """The calls seen inside ``record_collectives()``, in issue order."""
 
     def __init__(self) -> None:
         self.calls: list[CollectiveCall] = []
+        self._lock = threading.Lock()
 
     def of(self, op: str) -> list[CollectiveCall]:
         return [c for c in self.calls if c.op == op]
@@ -59,65 +124,47 @@ class CollectiveRecorder:
     def counts(self) -> Counter:
         return Counter(c.op for c in self.calls)
 
+    def wire_bytes(self) -> float:
+        """Bytes this rank sent in all recorded calls (ring algorithm)."""
+        return sum(c.wire_bytes for c in self.calls)
 
-_depth = threading.local()
+    def note(self, namespace: str, name: str, args: tuple) -> None:
+        """Record one c10d op by its name and arguments (ignored unless it is a collective)."""
+        if namespace == "c10d":
+            if name not in _OPS:
+                return
+            kind, index = _OPS[name]
+            tensors, group_size = _contribution(name, index, args), _group_size(args)
+        else:
+            if name not in _FUNCTIONAL:
+                return
+            kind, tensors, group_size = _FUNCTIONAL[name], _tensors(args[0]), _functional_group_size(args)
+        call = CollectiveCall(
+            op=kind,
+            dtype=tensors[0].dtype if tensors else None,
+            numel=sum(t.numel() for t in tensors),
+            group_size=group_size,
+        )
+        with self._lock:
+            self.calls.append(call)
 
 
-def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    for value in list(args) + list(kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value
-        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
-            return value[0]
-    return None
+class _C10dSpy(TorchDispatchMode):
+    """Passes every op through; tells the recorder about the c10d ones."""
 
+    def __init__(self, notify: Callable[[str, str, tuple], None]) -> None:
+        super().__init__()
+        self._notify = notify
 
-def _input_tensor(op: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
-    # gather/scatter ops take (output, input, ...): the input is what this rank contributes
-    if op in ("all_gather", "reduce_scatter", "all_to_all") and len(args) >= 2:
-        second = args[1]
-        if isinstance(second, torch.Tensor):
-            return second
-        if isinstance(second, (list, tuple)) and second and isinstance(second[0], torch.Tensor):
-            return second[0]
-    return _first_tensor(args, kwargs)
-
-
-def _wrap(name: str, op: str, original, recorder: CollectiveRecorder):
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def recorded(*args, **kwargs):
-        depth = getattr(_depth, "value", 0)
-        if depth == 0:
-            tensor = _input_tensor(op, args, kwargs)
-            group = signature.bind_partial(*args, **kwargs).arguments.get("group")
-            recorder.calls.append(
-                CollectiveCall(
-                    op=op,
-                    dtype=None if tensor is None else tensor.dtype,
-                    numel=0 if tensor is None else tensor.numel(),
-                    group_size=dist.get_world_size(group),
-                )
-            )
-        _depth.value = depth + 1
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _depth.value = depth
-
-    return recorded
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+            self._notify(func.namespace, func._opname, tuple(args))
+        return func(*args, **(kwargs or {}))
 
 
 @contextmanager
 def record_collectives() -> Iterator[CollectiveRecorder]:
     """Record every collective this process issues inside the block."""
     recorder = CollectiveRecorder()
-    originals = {n: getattr(dist, n) for n in _WRAPPED if hasattr(dist, n)}
-    try:
-        for name, original in originals.items():
-            setattr(dist, name, _wrap(name, _WRAPPED[name], original, recorder))
+    with _C10dSpy(recorder.note):
         yield recorder
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)

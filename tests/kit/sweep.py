@@ -21,19 +21,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.kit.case import LEVELS, Case
+from tests.kit.case import Case
 from tests.kit.cluster import RankCluster
+from tests.kit.levels import LEVELS
 from tests.kit.notebook import select_cases
 from tests.kit.tolerances import PRECISION_MATRIX
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
-LEVEL_NOTEBOOKS = {
-    "L0": "L0_coverage.ipynb",
-    "L1": "L1_interface.ipynb",
-    "L2": "L2_coupling.ipynb",
-    "L3": "L3_networks.ipynb",
-}
 KERNEL = "hyper-parallel-kit"
 
 
@@ -49,7 +44,7 @@ def run_one(spec: Case, out_dir: Path, cluster: RankCluster) -> dict[str, Any]:
     error = None
     try:
         papermill.execute_notebook(
-            str(NOTEBOOKS / LEVEL_NOTEBOOKS[spec.level]),
+            str(NOTEBOOKS / LEVELS[spec.level].notebook_file),
             str(notebook),
             parameters={
                 "cases": spec.id,
@@ -72,6 +67,7 @@ def run_one(spec: Case, out_dir: Path, cluster: RankCluster) -> dict[str, Any]:
             "level": spec.level,
             "config": spec.config,
             "world_size": spec.world_size,
+            "status": "ERROR",
             "passed": False,
             "checks": 0,
             "failed_checks": 0,
@@ -80,11 +76,12 @@ def run_one(spec: Case, out_dir: Path, cluster: RankCluster) -> dict[str, Any]:
             "loss_tol": None,
             "grad_error": None,
             "grad_tol": None,
+            "first_failure": error,
         }
     summary["notebook"] = str(notebook.relative_to(out_dir))
     summary["wall_seconds"] = round(time.monotonic() - started, 1)
     if error and summary["passed"]:
-        summary["passed"], summary["failure"] = False, error
+        summary["passed"], summary["status"], summary["failure"] = False, "ERROR", error
     return summary
 
 
@@ -122,7 +119,7 @@ def write_index(rows: list[dict[str, Any]], out_dir: Path, seconds: float) -> Pa
         f"<td>{_fmt(r['loss_error'])} / {_fmt(r['loss_tol'])}</td>"
         f"<td>{_fmt(r['grad_error'])} / {_fmt(r['grad_tol'])}</td>"
         f"<td>{r['checks'] - r['failed_checks']}/{r['checks']}</td><td>{r['wall_seconds']}</td>"
-        f"<td>{'PASS' if r['passed'] else 'FAIL'}</td><td><pre>{html.escape(r['failure'] or '')[:600]}</pre></td></tr>"
+        f"<td>{r['status']}</td><td><pre>{html.escape(r['first_failure'] or r['failure'] or '')[:600]}</pre></td></tr>"
         for r in rows
     ]
     passed = sum(r["passed"] for r in rows)

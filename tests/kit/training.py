@@ -1,26 +1,23 @@
 """Shared training loops of the cases: train the model under test beside its baseline and record
 dual metrics per step (loss, global grad norm, element-wise grads, params after the step), plainly
-or over accumulated micro-batches; plus the small helpers every case needs (its mesh, nested
-sharding, rank-data preconditions, the expected shard layout)."""
+or over accumulated micro-batches, over the whole model or a named part of it; plus the small
+helpers every case needs (nested sharding, rank-data preconditions)."""
 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.kit.api import HSDPModule, fully_shard
-from tests.kit.case import CaseContext
+from tests.kit.checks import CaseContext
 from tests.kit.recorder import CollectiveRecorder, record_collectives
 from tests.kit.reference import SameDtypeReference, full, gather_from, named_params
+from tests.kit.surface import impl
 from tests.kit.tolerances import Tolerance
 
 
@@ -29,18 +26,12 @@ def square_mean(model: Any, x: Any) -> torch.Tensor:
     return model(x).float().square().mean()
 
 
-def case_mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> DeviceMesh:
-    """A DeviceMesh of ``shape`` over the case's ranks, on the device type of its process group."""
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
-
-
-def shard_nested(model: nn.Module, children: Iterable[nn.Module], **kwargs: Any) -> HSDPModule:
+def shard_nested(model: nn.Module, children: Iterable[nn.Module], **kwargs: Any) -> Any:
     """``fully_shard`` each child (bottom-up), then the root with the same arguments; the root's
     group holds whatever params the children do not."""
     for child in children:
-        fully_shard(child, **kwargs)
-    return fully_shard(model, **kwargs)
+        impl.fully_shard(child, **kwargs)
+    return impl.fully_shard(model, **kwargs)
 
 
 def differs_across_ranks(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:
@@ -56,9 +47,9 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     return total / dist.get_world_size()
 
 
-def sharded_modules(model: nn.Module) -> list[HSDPModule]:
+def sharded_modules(model: nn.Module) -> list[Any]:
     """The modules of ``model`` given to fully_shard, outermost first."""
-    return [m for m in model.modules() if isinstance(m, HSDPModule)]
+    return [m for m in model.modules() if isinstance(m, impl.HSDPModule)]
 
 
 def raises_nothing(ctx: CaseContext, name: str, action: Callable[[], Any]) -> Any:
@@ -71,27 +62,6 @@ def raises_nothing(ctx: CaseContext, name: str, action: Callable[[], Any]) -> An
         return None
     ctx.true(name, True, "no exception", "no exception")
     return result
-
-
-def local_numel(param: torch.Tensor) -> int:
-    """Elements this rank actually holds of a registered param: its shard for a DTensor, else the
-    elements its storage holds (a freed unsharded param holds none)."""
-    if isinstance(param, DTensor):
-        return param.to_local().numel()
-    return min(param.numel(), param.untyped_storage().nbytes() // param.element_size())
-
-
-def local_numels(model: nn.Module) -> dict[str, int]:
-    """``local_numel`` of every registered param of ``model``, by name."""
-    return {name: local_numel(p) for name, p in model.named_parameters()}
-
-
-def local_numels_after_forward(model: nn.Module) -> list[dict[str, int]]:
-    """Per forward of ``model``, the local numel of each param once the forward has finished
-    (register after fully_shard: the hook then runs after the module's own post-forward reshard)."""
-    seen: list[dict[str, int]] = []
-    model.register_forward_hook(lambda module, args, out: seen.append(local_numels(module)))
-    return seen
 
 
 def grad_norm(model: Any) -> torch.Tensor:
@@ -129,6 +99,43 @@ def _adam(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-2)
 
 
+def step_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    """One step and zero_grad of each optimizer, inside what the implementation's step needs."""
+    with impl.optimizer_step():
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+
+
+def compared_params(model: Any, names: Mapping[str, str] | None = None) -> dict[str, nn.Parameter]:
+    """The params of ``model`` to compare, keyed by the reference's names: all of them, or (a
+    pipeline stage, an expert-parallel rank) those of ``names`` (ours -> the reference's name)."""
+    ours = named_params(model)
+    if names is None:
+        return ours
+    return {ref_name: ours[our_name] for our_name, ref_name in names.items()}
+
+
+def _reference_params(reference: Any, compared: Mapping[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+    """The reference's params that the compared params of the model stand for, by name."""
+    every = named_params(reference)
+    missing = [name for name in compared if name not in every]
+    if missing:
+        raise KeyError(f"the reference has no params named {missing}")
+    return {name: every[name] for name in compared}
+
+
+def _forward_backward(loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
+    """A model step: the loss of the batch, then its backward; returns the loss."""
+
+    def step(model: Any, batch: Any) -> torch.Tensor:
+        loss = loss_fn(model, batch)
+        loss.backward()
+        return loss
+
+    return step
+
+
 def _backward_reference(reference: Any, loss: torch.Tensor, sync: bool = True) -> None:
     """Backward of the baseline; DDP skips its all-reduce (``no_sync``) and a
     ``SameDtypeReference`` keeps its grads unreduced unless ``sync``."""
@@ -146,9 +153,7 @@ def _check_grads_and_step(
     ``model``: the model, or its params by name."""
     ctx.close(f"{prefix} grad norm", grad_norm(model), grad_norm(reference), tol.grad)
     record_grads(ctx, prefix, model, reference, tol.grad)
-    for opt in opts:
-        opt.step()
-        opt.zero_grad()
+    step_optimizers(opts)
     if params:
         record_params(ctx, prefix, model, reference, tol.grad)
 
@@ -167,6 +172,8 @@ def train_against(
     after_backward: Callable[[int], None] | None = None,
     before_step: Callable[[int], None] | None = None,
     mean_loss_over_ranks: bool = False,
+    model_step: Callable[[Any, Any], torch.Tensor] | None = None,
+    names: Mapping[str, str] | None = None,
 ) -> Optimizers:
     """One optimizer step per batch on both; record loss, grad norm, grads and params per step.
 
@@ -176,13 +183,18 @@ def train_against(
     ``before_step(step)`` runs before the model's forward (to change its controls);
     ``after_backward(step)`` runs after both backwards, before the optimizer step (to inspect
     the grads). ``mean_loss_over_ranks`` compares the mean of the model's per-rank losses (what a
-    ``GlobalBatchReference`` computes). Returns both optimizers, to continue training or to
-    checkpoint them.
+    ``GlobalBatchReference`` computes). ``model_step(model, batch)`` runs the model's forward
+    and backward itself and returns its loss (a pipeline schedule); by default ``loss_fn`` then
+    ``backward``. ``names`` (ours -> the reference's) compares a part of the model only (a
+    pipeline stage, an expert-parallel rank's experts); the reference is always the whole model.
+    Returns both optimizers, to continue training or to checkpoint them.
     """
     make_optimizer = make_optimizer or _adam
     opts = make_optimizer(model.parameters()), make_optimizer(reference.parameters())
     # the params the optimizer steps: the module may hold other (unsharded) ones between steps
-    stepped = named_params(model)
+    stepped = compared_params(model, names)
+    references = _reference_params(reference, stepped)
+    model_step = model_step or _forward_backward(loss_fn)
     prefix = f"{label} " if label else ""
     for step, batch in enumerate(batches):
         ref_loss = loss_fn(reference, batch)
@@ -190,8 +202,7 @@ def train_against(
         if before_step is not None:
             before_step(step)
         with record_collectives() as recorder:
-            loss = loss_fn(model, batch)
-            loss.backward()
+            loss = model_step(model, batch)
         if recorders is not None:
             recorders.append(recorder)
         if after_backward is not None:
@@ -200,7 +211,7 @@ def train_against(
             loss = mean_over_ranks(loss)
         ctx.step(f"{prefix}loss", loss, ref_loss)
         ctx.close(f"{prefix}step {step} loss", loss, ref_loss, tol.loss)
-        _check_grads_and_step(ctx, f"{prefix}step {step}", stepped, reference, opts, tol, params)
+        _check_grads_and_step(ctx, f"{prefix}step {step}", stepped, references, opts, tol, params)
     return opts
 
 
@@ -230,6 +241,7 @@ def train_accumulating_against(
     make_optimizer = make_optimizer or _adam
     opts = make_optimizer(model.parameters()), make_optimizer(reference.parameters())
     stepped = named_params(model)  # the params the optimizer steps
+    references = _reference_params(reference, stepped)
     prefix = f"{label} " if label else ""
     for step, micro_batches in enumerate(step_batches):
         for micro, batch in enumerate(micro_batches):
@@ -245,22 +257,5 @@ def train_accumulating_against(
             ctx.close(f"{prefix}step {step} micro {micro} loss", loss, ref_loss, tol.loss)
             if after_micro is not None:
                 after_micro(step, micro, recorder)
-        _check_grads_and_step(ctx, f"{prefix}step {step}", stepped, reference, opts, tol, params=True)
+        _check_grads_and_step(ctx, f"{prefix}step {step}", stepped, references, opts, tol, params=True)
     return opts
-
-
-# -- expected layouts (torch.chunk / DTensor Shard semantics) ---------------------------------
-def shard_shape(shape: torch.Size | tuple[int, ...], world: int, rank: int, dim: int = 0) -> tuple[int, ...]:
-    """The local shape ``rank`` holds of a tensor sharded on ``dim`` over ``world`` ranks: chunks
-    of ``ceil(n / world)`` rows, the last ones shorter or empty."""
-    rows = shape[dim]
-    chunk = -(-rows // world)
-    held = max(0, min(rows, (rank + 1) * chunk) - rank * chunk)
-    return tuple(held if d == dim else size for d, size in enumerate(shape))
-
-
-def padded_shard_numel(module: nn.Module | Iterable[torch.Tensor], world: int) -> int:
-    """What each rank contributes to a fused all-gather of ``module``'s (or these) full, dim-0
-    sharded params: every shard padded to ``ceil(rows / world)`` rows."""
-    params = module.parameters() if isinstance(module, nn.Module) else module
-    return sum(math.prod(shard_shape(p.shape, world, 0)) for p in params)

@@ -1,6 +1,9 @@
 """Driver side of the case contract: run a case on the cluster and judge every rank's checks.
 
-A case passes only if it ran to the end on every rank and every check on every rank passed.
+Verdicts: PASS (every plan check on every rank passed), FAIL (a check failed, or a
+precondition), UNSUPPORTED (the implementation lacks or refused a plan feature the case needs;
+named), ERROR (the case raised), TIMEOUT (a rank hung: stacks attached), DIED (a rank's process
+ended). Checks tagged extra (beyond the plan and the API) are judged apart: ``extras_passed``.
 The verdict renders as a text table (pytest failure messages, logs) and as HTML (notebooks).
 """
 
@@ -11,8 +14,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.kit.case import REGISTRY, Case, Check, run_on_rank
+from tests.kit.case import REGISTRY, Case, Check, ImplementationRefused, run_on_rank
 from tests.kit.cluster import RankCluster, RankFailure
+
+STATUSES = ("PASS", "FAIL", "UNSUPPORTED", "ERROR", "TIMEOUT", "DIED")
 
 
 @dataclass
@@ -23,15 +28,56 @@ class Verdict:
     checks: list[Check] = field(default_factory=list)
     series: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     failure: str | None = None  # traceback / stacks when the run itself failed
+    failure_kind: str | None = None  # ERROR, TIMEOUT, DIED or UNSUPPORTED when the run failed
+    unsupported: list[str] = field(default_factory=list)  # features lacking or refused
+    origin: dict[str, Any] = field(default_factory=dict)  # what the ranks imported (surface origin)
     seconds: float = 0.0
+    leak: str | None = None  # set when the case failed warm but passes alone on fresh engines
+
+    @property
+    def plan_checks(self) -> list[Check]:
+        return [c for c in self.checks if c.extra is None]
+
+    @property
+    def extra_checks(self) -> list[Check]:
+        return [c for c in self.checks if c.extra is not None]
+
+    @property
+    def status(self) -> str:
+        """PASS, FAIL, UNSUPPORTED, ERROR, TIMEOUT or DIED (the plan's verdict; extras apart)."""
+        if self.unsupported:
+            return "UNSUPPORTED"
+        if self.failure_kind:
+            return self.failure_kind
+        plan = self.plan_checks
+        return "PASS" if plan and all(c.passed for c in plan) else "FAIL"
 
     @property
     def passed(self) -> bool:
-        return self.failure is None and bool(self.checks) and all(c.passed for c in self.checks)
+        return self.status == "PASS"
+
+    @property
+    def extras_passed(self) -> bool:
+        return all(c.passed for c in self.extra_checks)
 
     @property
     def failed_checks(self) -> list[Check]:
         return [c for c in self.checks if not c.passed]
+
+    @property
+    def first_failure(self) -> str:
+        """One line: the first failing plan check, the unsupported feature, or the run's failure."""
+        if self.leak:
+            return self.leak
+        if self.unsupported:
+            return "unsupported: " + ", ".join(self.unsupported)
+        if self.failure:
+            return self.failure.splitlines()[0][:300]
+        failed = [c for c in self.plan_checks if not c.passed]
+        if failed:
+            c = failed[0]
+            return f"{c.name} (rank {c.rank}): {_fmt(c.measured)} vs {_fmt(c.reference)}, error {_fmt(c.error)}"
+        return ""
 
     # -- rendering -------------------------------------------------------------------------
     def table(self, only_failed: bool = False) -> str:
@@ -45,17 +91,25 @@ class Verdict:
         return "\n".join(text)
 
     def summary(self) -> str:
-        state = "PASS" if self.passed else "FAIL"
-        bad = len(self.failed_checks)
-        detail = f"{len(self.checks)} checks, {bad} failed" if self.failure is None else "run failed"
+        if self.unsupported:
+            detail = "unsupported: " + ", ".join(self.unsupported)
+        elif self.failure is not None:
+            detail = "run failed"
+        else:
+            detail = f"{len(self.plan_checks)} checks, {sum(not c.passed for c in self.plan_checks)} failed"
+            if self.extra_checks:
+                bad = sum(not c.passed for c in self.extra_checks)
+                detail += f"; extras {len(self.extra_checks) - bad}/{len(self.extra_checks)}"
         where = f"[{self.case.world_size} ranks, {self.case.config}]"
-        return f"{self.case.id} {self.case.name} {where}: {state} ({detail}, {self.seconds:.1f} s)"
+        return f"{self.case.id} {self.case.name} {where}: {self.status} ({detail}, {self.seconds:.1f} s)"
 
     def report(self) -> str:
         """Summary, the failing rows (or all rows), and the run failure if any."""
         parts = [self.summary()]
+        if self.leak:
+            parts.append(self.leak)
         if self.checks:
-            parts.append(self.table(only_failed=not self.passed and bool(self.failed_checks)))
+            parts.append(self.table(only_failed=bool(self.failed_checks)))
         if self.failure:
             parts.append(self.failure)
         return "\n".join(parts)
@@ -74,8 +128,9 @@ class Verdict:
         failure = f"<pre>{html.escape(self.failure)}</pre>" if self.failure else ""
         return f"<h4>{html.escape(self.summary())}</h4><table><tr>{head}</tr>{cells}</table>{failure}"
 
-    def assert_passed(self) -> None:
-        if not self.passed:
+    def assert_passed(self, extras: bool = True) -> None:
+        """Raise with the report unless the plan checks (and, by default, the extras) passed."""
+        if not self.passed or (extras and not self.extras_passed):
             raise AssertionError(self.report())
 
 
@@ -88,8 +143,9 @@ def _fmt(value: float | str | None) -> str:
 
 
 def _row(check: Check) -> tuple[str, ...]:
+    name = check.name if check.extra is None else f"[extra] {check.name}"
     return (
-        check.name,
+        name,
         str(check.rank),
         _fmt(check.measured),
         _fmt(check.reference),
@@ -97,6 +153,21 @@ def _row(check: Check) -> tuple[str, ...]:
         _fmt(check.tol),
         "pass" if check.passed else "FAIL",
     )
+
+
+def _judge_failure(verdict: Verdict, failure: RankFailure) -> None:
+    """Tell a refusal from an error, a hang and a death."""
+    verdict.failure = str(failure)
+    refused = [evalue for ename, evalue in failure.raised.values() if ename == ImplementationRefused.__name__]
+    if failure.dead:
+        verdict.failure_kind = "DIED"
+    elif refused:
+        verdict.failure_kind = "UNSUPPORTED"
+        verdict.unsupported = sorted(set(refused))
+    elif failure.timed_out:
+        verdict.failure_kind = "TIMEOUT"
+    else:
+        verdict.failure_kind = "ERROR"
 
 
 def run_case(cluster: RankCluster, case_id: str, timeout: float | None = None, backend: str | None = None) -> Verdict:
@@ -116,11 +187,39 @@ def run_case(cluster: RankCluster, case_id: str, timeout: float | None = None, b
             backend=backend or spec.backend,
         )
     except RankFailure as failure:
-        verdict.failure = str(failure)
+        _judge_failure(verdict, failure)
     else:
         for result in results:
             verdict.checks.extend(Check(**c) for c in result["checks"])
         verdict.series = results[0]["series"]
+        verdict.unsupported = results[0]["unsupported"]
+        verdict.origin = results[0]["origin"]
     verdict.checks.sort(key=lambda c: (c.name, c.rank))
     verdict.seconds = time.monotonic() - started
+    return verdict
+
+
+def judge_case(
+    cluster: RankCluster,
+    case_id: str,
+    *,
+    isolate: bool = False,
+    timeout: float | None = None,
+    backend: str | None = None,
+) -> Verdict:
+    """Run a case on fresh engines (``isolate``) or on the warm ones; a case that fails warm is run
+    again alone on fresh engines, and if it passes there the verdict says that state leaks between
+    cases (it stays failed: an implementation must survive several cases per process)."""
+    if isolate:
+        cluster.renew()
+        return run_case(cluster, case_id, timeout, backend)
+    verdict = run_case(cluster, case_id, timeout, backend)
+    if verdict.status in ("FAIL", "ERROR", "TIMEOUT") and cluster.cluster is not None:
+        cluster.renew()
+        alone = run_case(cluster, case_id, timeout, backend)
+        if alone.passed:
+            verdict.leak = (
+                f"state leaks between cases: {case_id} {verdict.status} after other cases on warm engines, "
+                f"PASS alone on fresh engines ({alone.seconds:.1f} s)"
+            )
     return verdict

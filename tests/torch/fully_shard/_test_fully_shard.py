@@ -13,24 +13,21 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from tests.kit.api import CPUOffloadPolicy, fully_shard
 from tests.kit.case import CaseContext, case
+from tests.kit.checks import device_type
+from tests.kit.layout import local_numels_after_forward, padded_shard_numel, shard_shape
 from tests.kit.models import MLP, FeedForwardStack, rank_batch, rank_batches
 from tests.kit.recorder import CollectiveRecorder
 from tests.kit.reference import ddp_of, full
+from tests.kit.surface import impl
 from tests.kit.tolerances import tolerance
 from tests.kit.training import (
-    case_mesh,
     differs_across_ranks,
-    local_numels_after_forward,
     named_params,
-    padded_shard_numel,
     record_params,
     shard_nested,
-    shard_shape,
     square_mean,
     train_against,
 )
@@ -41,31 +38,35 @@ UNEVEN_DIMS = (7, 13, 5, 1)
 
 
 @case(
-    "L0-01", "test_fully_shard_none_mesh", "_test_fully_shard.py", world_size=2, mesh_shape=(2,), config="FSDP 1D fp32"
+    "L0-01",
+    "test_fully_shard_none_mesh",
+    world_size=2,
+    mesh={"dp": 2},
+    config="FSDP 1D fp32", needs=("mesh_none",),
 )
 def none_mesh(ctx: CaseContext) -> None:
     """mesh=None builds a 1-D mesh over the world; 2 steps equal DDP."""
     model = MLP(DIMS)
     ddp = ddp_of(model)
     shard_nested(model, model.layers)
-    mesh = model.layers[0].weight.device_mesh
-    ctx.true("default mesh is 1-D", isinstance(model.layers[0].weight, DTensor) and mesh.ndim == 1, mesh.ndim, 1)
-    ctx.equal("default mesh spans the world", mesh.size(), dist.get_world_size())
+    weight = model.layers[0].weight
+    shape = impl.mesh_shape(impl.mesh_of(weight)) if impl.is_sharded(weight) else ()
+    ctx.true("default mesh is 1-D", len(shape) == 1, len(shape), 1)
+    ctx.equal("default mesh spans the world", math.prod(shape), dist.get_world_size())
     train_against(ctx, model, ddp, rank_batches(ctx.rank, (4, DIMS[0])), square_mean, ctx.tol)
 
 
 @case(
     "L0-02",
     "test_fully_shard_explicit_mesh_nested",
-    "_test_fully_shard.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D fp32",
+    mesh={"dp": 2},
+    config="FSDP 1D fp32", needs=("reshard_after_forward",),
 )
 def explicit_mesh_nested(ctx: CaseContext) -> None:
     """With an explicit 1-D mesh and nested groups, reshard_after_forward=True/False at construction
     leaves shards / full params after forward, and both train like DDP."""
-    mesh = case_mesh((ctx.world_size,), ("dp",))
+    mesh = ctx.mesh
     batches = rank_batches(ctx.rank, (4, DIMS[0]))
     for reshard in (True, False):
         label = f"reshard_after_forward={reshard}"
@@ -80,7 +81,7 @@ def explicit_mesh_nested(ctx: CaseContext) -> None:
         )
         # layers 0 and 1 get groups of their own; the root's group holds layer 2
         shard_nested(model, model.layers[:2], mesh=mesh, reshard_after_forward=reshard)
-        elsewhere = sum(p.device_mesh != mesh for p in model.parameters())
+        elsewhere = sum(impl.mesh_of(p) != mesh for p in model.parameters())
         ctx.equal(f"{label}: params not on the given mesh", elsewhere, 0)
         after_forward = local_numels_after_forward(model)
 
@@ -94,10 +95,9 @@ def explicit_mesh_nested(ctx: CaseContext) -> None:
 @case(
     "L0-03",
     "test_fully_shard_uneven_shapes",
-    "_test_fully_shard.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D fp32",
+    mesh={"dp": 2},
+    config="FSDP 1D fp32", needs=("uneven",),
 )
 def uneven_shapes(ctx: CaseContext) -> None:
     """Odd dims and fewer rows than ranks: shards follow torch.chunk, every rank sends shards padded
@@ -109,12 +109,12 @@ def uneven_shapes(ctx: CaseContext) -> None:
     ctx.require("some param has fewer rows than ranks", any(s[0] < world for s in full_shapes.values()))
     padded = sorted(padded_shard_numel(layer, world) for layer in model.layers)
     ddp = ddp_of(model)
-    shard_nested(model, model.layers, mesh=case_mesh((world,)))
+    shard_nested(model, model.layers, mesh=ctx.mesh)
 
     for name, param in model.named_parameters():
         ctx.equal(
             f"local shard shape {name}",
-            str(tuple(param.to_local().shape)),
+            str(tuple(impl.local(param).shape)),
             str(shard_shape(full_shapes[name], world, ctx.rank)),
         )
     recorders: list[CollectiveRecorder] = []
@@ -133,28 +133,27 @@ def uneven_shapes(ctx: CaseContext) -> None:
 @case(
     "L0-04",
     "test_fully_shard_cpu_offload",
-    "_test_fully_shard.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D fp32",
+    mesh={"dp": 2},
+    config="FSDP 1D fp32", needs=("cpu_offload",),
 )
 def cpu_offload(ctx: CaseContext) -> None:
     """CPUOffloadPolicy keeps sharded params, grads and optimizer state on the CPU (pinned only where
     an accelerator exists) and trains like DDP. On a CPU-only host the compute device is the CPU too."""
-    mesh = case_mesh((ctx.world_size,))
-    policy = CPUOffloadPolicy()
+    mesh = ctx.mesh
+    policy = impl.CPUOffloadPolicy()
     model = MLP(DIMS)
     ddp = ddp_of(model)
     shard_nested(model, model.layers, mesh=mesh, offload_policy=policy)
-    pinned = policy.pin_memory and mesh.device_type != "cpu"
+    pinned = policy.pin_memory and device_type() != "cpu"
 
     for name, param in model.named_parameters():
-        ctx.equal(f"shard device {name}", param.to_local().device.type, "cpu")
-        ctx.equal(f"shard pinned {name}", param.to_local().is_pinned(), pinned)
+        ctx.equal(f"shard device {name}", impl.local(param).device.type, "cpu")
+        ctx.equal(f"shard pinned {name}", impl.local(param).is_pinned(), pinned)
 
     def grads_on_cpu(step: int) -> None:
         for name, param in model.named_parameters():
-            ctx.equal(f"step {step} grad device {name}", param.grad.to_local().device.type, "cpu")
+            ctx.equal(f"step {step} grad device {name}", impl.local(param.grad).device.type, "cpu")
 
     opt, _ = train_against(
         ctx, model, ddp, rank_batches(ctx.rank, (4, DIMS[0])), square_mean, ctx.tol, after_backward=grads_on_cpu
@@ -174,67 +173,65 @@ def _same_as_rank0(ctx: CaseContext, name: str, tensor: torch.Tensor) -> None:
 @case(
     "L0-05",
     "test_fully_shard_replicate_params",
-    "_test_fully_shard.py",
     world_size=4,
-    mesh_shape=(2, 2),  # and the 1-D mesh (4,)
-    config="FSDP 1D fp32",
+    mesh={"replicate": 2, "shard": 2},
+    config="FSDP 1D fp32", needs=("replicate_params", "hsdp"),
 )
 def replicate_params(ctx: CaseContext) -> None:
     """replicate_params keeps the chosen params whole and bitwise equal on every rank, on a 1-D and
     a 2-D mesh, while the others shard; both train like DDP."""
     batches = rank_batches(ctx.rank, (4, DIMS[0]))
     ctx.require("ranks' batches differ (unsynced grads would differ)", differs_across_ranks(batches[0]))
-    for shape, config in (((4,), "FSDP 1D fp32"), ((2, 2), "HSDP 2D fp32")):
+    for mesh, config in ((ctx.mesh_of(dp=4), "FSDP 1D fp32"), (ctx.mesh, "HSDP 2D fp32")):
+        shape = impl.mesh_shape(mesh)
         label = f"mesh {shape}"
         model = MLP(DIMS)
         ddp = ddp_of(model)
         replicated = {"layers.0.bias", "layers.1.weight"}
         params = dict(model.named_parameters())
         full_shapes = {name: tuple(p.shape) for name, p in params.items()}
-        fully_shard(model, mesh=case_mesh(shape), replicate_params=[params[n] for n in sorted(replicated)])
+        impl.fully_shard(model, mesh=mesh, replicate_params=[params[n] for n in sorted(replicated)])
 
         for name, param in model.named_parameters():
-            placements = tuple(param.placements)
+            placements = impl.placements(param)
             if name in replicated:
                 ctx.true(
                     f"{label} {name} placements all Replicate",
-                    all(isinstance(p, Replicate) for p in placements),
+                    all(isinstance(p, impl.Replicate) for p in placements),
                     str(placements),
                 )
                 ctx.equal(
-                    f"{label} {name} local shape is whole", str(tuple(param.to_local().shape)), str(full_shapes[name])
+                    f"{label} {name} local shape is whole", str(tuple(impl.local(param).shape)), str(full_shapes[name])
                 )
             else:
-                ctx.true(f"{label} {name} sharded", isinstance(placements[-1], Shard), str(placements))
+                ctx.true(f"{label} {name} sharded", isinstance(placements[-1], impl.Shard), str(placements))
         train_against(ctx, model, ddp, batches, square_mean, tolerance(config), label=label)
         for name, param in model.named_parameters():
             if name in replicated:
-                _same_as_rank0(ctx, f"{label} after training: {name} bitwise equal to rank 0", param.to_local())
+                _same_as_rank0(ctx, f"{label} after training: {name} bitwise equal to rank 0", impl.local(param))
 
 
 @case(
     "L0-TP",
     "test_fully_shard_tensor_parallel",
-    "_test_fully_shard.py",
     world_size=4,
-    mesh_shape=(2, 2),
-    config="TP + FSDP fp32",
+    mesh={"dp": 2, "tp": 2},
+    config="TP + FSDP fp32", needs=("tensor_parallel",),
 )
 def tensor_parallel(ctx: CaseContext) -> None:
     """Tensor parallel (Colwise/Rowwise) on the tp dim and fully_shard on the dp dim of a (dp, tp)
     mesh train like DDP over all ranks."""
-    mesh = case_mesh((2, 2), ("dp", "tp"))
     model = FeedForwardStack()
     ddp = ddp_of(model)
     for block in model.blocks:
-        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    shard_nested(model, model.blocks, mesh=mesh["dp"])
+        parallelize_module(block, ctx.submesh("tp"), {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    shard_nested(model, model.blocks, mesh=ctx.submesh("dp"))
     for name, param in model.blocks.named_parameters():
-        names = param.device_mesh.mesh_dim_names if isinstance(param, DTensor) else None
+        names = impl.mesh_dim_names(impl.mesh_of(param)) if impl.is_sharded(param) else None
         ctx.equal(f"blocks.{name} on the (dp, tp) mesh", str(names), str(("dp", "tp")))
     # TP needs the same input on both tp ranks; the dp groups see different ones, so DDP's average
     # over 4 ranks equals the average over the 2 dp batches
-    batches = rank_batches(mesh.get_local_rank("dp"), (4, 8))
+    batches = rank_batches(impl.local_rank(ctx.mesh, "dp"), (4, 8))
     ctx.require("dp groups' batches differ", differs_across_ranks(batches[0]))
 
     # SGD, not Adam: TP sums partial matmuls in another order than DDP, so grads differ by rounding;
@@ -286,21 +283,20 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tenso
 @case(
     "L0-DCP",
     "test_fully_shard_dcp_round_trip",
-    "_test_fully_shard.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D fp32",
+    mesh={"dp": 2},
+    config="FSDP 1D fp32", needs=("dcp",),
 )
 def dcp_round_trip(ctx: CaseContext) -> None:
     """A torch.distributed.checkpoint of a sharded model and its Adam state loads bitwise into a
     fresh sharded model, which then trains on exactly like the original (and like DDP)."""
-    mesh = case_mesh((ctx.world_size,))
+    mesh = ctx.mesh
     model = MLP(DIMS)
     ddp = ddp_of(model)
     shard_nested(model, model.layers, mesh=mesh)
     opt, ref_opt = train_against(ctx, model, ddp, rank_batches(ctx.rank, (4, DIMS[0])), square_mean, ctx.tol)
     saved_model, saved_optim = get_state_dict(model, opt)
-    ctx.true("saved state dict holds DTensors", all(isinstance(v, DTensor) for v in saved_model.values()))
+    ctx.true("saved state dict holds sharded tensors", all(impl.is_sharded(v) for v in saved_model.values()))
 
     fresh = MLP(DIMS, seed=11)
     shard_nested(fresh, fresh.layers, mesh=mesh)

@@ -2,36 +2,35 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from tests.kit.api import HSDPModule, fully_shard
 from tests.kit.case import CaseContext, case
-from tests.kit.models import MLP, rank_batch, rank_batches
-from tests.kit.recorder import CollectiveRecorder, record_collectives
-from tests.kit.reference import ddp_of, full
-from tests.kit.tolerances import specific
-from tests.kit.training import (
-    case_mesh,
-    differs_across_ranks,
-    gather_from,
-    grad_norm,
+from tests.kit.layout import (
     local_numel,
     local_numels,
     local_numels_after_forward,
-    named_params,
+    numels,
     padded_shard_numel,
+)
+from tests.kit.models import MLP, rank_batch, rank_batches
+from tests.kit.recorder import CollectiveRecorder, record_collectives
+from tests.kit.reference import ddp_of, full, gather_from
+from tests.kit.surface import impl
+from tests.kit.tolerances import specific
+from tests.kit.training import (
+    differs_across_ranks,
+    grad_norm,
+    named_params,
     raises_nothing,
     record_grads,
     record_params,
     shard_nested,
-    shard_shape,
     sharded_modules,
     square_mean,
+    step_optimizers,
     train_accumulating_against,
     train_against,
 )
@@ -48,17 +47,16 @@ def _micro_batches(rank: int, steps: int = 2) -> list[list]:
 @case(
     "L0-08",
     "test_set_requires_gradient_sync",
-    "_test_fully_shard_module.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D fp32",
+    mesh={"dp": 2},
+    config="FSDP 1D fp32", needs=("gradient_sync",),
 )
 def requires_gradient_sync(ctx: CaseContext) -> None:
     """set_requires_gradient_sync(False) issues no reduction and accumulates locally; the next
     syncing backward reduce-scatters every group, and the result equals DDP with no_sync."""
     model = MLP(DIMS)
     ddp = ddp_of(model)
-    shard_nested(model, model.layers, mesh=case_mesh((ctx.world_size,)))
+    shard_nested(model, model.layers, mesh=ctx.mesh)
     groups = len(model.layers)  # the root holds no params of its own
     step_batches = _micro_batches(ctx.rank)
     # equal rank data would hide a sync that reduced only the last micro-batch
@@ -133,15 +131,14 @@ def _not_last_backward_defers_reductions(ctx: CaseContext, mesh) -> None:
 @case(
     "L0-09",
     "test_prefetch_and_last_backward",
-    "_test_fully_shard_module.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D fp32",
+    mesh={"dp": 2},
+    config="FSDP 1D fp32", needs=("prefetch", "last_backward"),
 )
 def prefetch_and_last_backward(ctx: CaseContext) -> None:
     """Forward/backward prefetch lists decide the order of all-gathers; set_is_last_backward(False)
     issues the reductions but defers applying them; both train like DDP."""
-    mesh = case_mesh((ctx.world_size,))
+    mesh = ctx.mesh
     _prefetch_lists_order_gathers(ctx, mesh)
     _not_last_backward_defers_reductions(ctx, mesh)
 
@@ -151,13 +148,6 @@ LR = 1e-2
 # (reshard_after_forward, reshard_after_backward) per step: each flag goes off and back on
 RESHARD_PLAN = ((False, True), (True, False), (False, False), (True, True))
 ROOT_OWN = ("layers.2.weight", "layers.2.bias")  # with layers 0 and 1 sharded on their own
-
-
-def _numels(model: nn.Module, world: int, rank: int) -> tuple[dict[str, int], dict[str, int]]:
-    """Full numel, and the numel of this rank's dim-0 shard, of every param of an unsharded model."""
-    full_numel = {name: p.numel() for name, p in model.named_parameters()}
-    shard_numel = {name: math.prod(shard_shape(p.shape, world, rank)) for name, p in model.named_parameters()}
-    return full_numel, shard_numel
 
 
 def _record_numels(ctx: CaseContext, where: str, model: nn.Module, want: dict[str, int], names: Iterable[str]) -> None:
@@ -174,10 +164,9 @@ def _reshard_all(model: nn.Module) -> None:
 @case(
     "L1-01",
     "test_dynamic_reshard_control",
-    "_test_fully_shard_module.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D fp32",
+    mesh={"dp": 2},
+    config="FSDP 1D fp32", needs=("reshard_controls",),
 )
 def dynamic_reshard_control(ctx: CaseContext) -> None:
     """set_reshard_after_forward / set_reshard_after_backward, toggled off and back on between
@@ -186,10 +175,10 @@ def dynamic_reshard_control(ctx: CaseContext) -> None:
     after params were kept unsharded through an optimizer step)."""
     model = MLP(DIMS)
     ddp = ddp_of(model)
-    full_numel, shard_numel = _numels(model, ctx.world_size, ctx.rank)
+    full_numel, shard_numel = numels(model, ctx.world_size, ctx.rank)
     ctx.require("every param splits over the ranks", all(shard_numel[n] < full_numel[n] for n in full_numel))
     # layers 0 and 1 get groups of their own; the root's group holds layer 2
-    shard_nested(model, model.layers[:2], mesh=case_mesh((ctx.world_size,)))
+    shard_nested(model, model.layers[:2], mesh=ctx.mesh)
     after_forward = local_numels_after_forward(model)
 
     def toggle(step: int) -> None:
@@ -218,20 +207,19 @@ def dynamic_reshard_control(ctx: CaseContext) -> None:
 @case(
     "L1-02",
     "test_set_requires_all_reduce",
-    "_test_fully_shard_module.py",
     world_size=4,
-    mesh_shape=(2, 2),
-    config="HSDP 2D fp32",
+    mesh={"replicate": 2, "shard": 2},
+    config="HSDP 2D fp32", needs=("hsdp", "all_reduce_control", "recurse_false"),
 )
 def set_requires_all_reduce(ctx: CaseContext) -> None:
     """HSDP on a (replicate 2, shard 2) mesh. All-reduce on: the two replica groups' grads agree
     within 1e-6 and equal DDP over all 4 ranks. Off: no all-reduce, each replica group's grads are
     its own average (= DDP over its 2 ranks) and differ from the other's. recurse=False on the root:
     only the root's own group skips the all-reduce."""
-    mesh = case_mesh((2, 2))
+    mesh = ctx.mesh
     # replicas: my rank and the one holding my shard in the other replica group; shards: my replica group
-    replicas, shards = mesh.get_group(0), mesh.get_group(1)
-    me = mesh.get_local_rank(0)
+    replicas, shards = impl.process_group(mesh, "replicate"), impl.process_group(mesh, "shard")
+    me = impl.local_rank(mesh, "replicate")
     agree, tol = specific("replica agreement"), ctx.tol
     groups = 3  # layers 0 and 1 on their own, the root's group (layer 2)
     batches = rank_batches(ctx.rank, (4, DIMS[0]))
@@ -239,7 +227,7 @@ def set_requires_all_reduce(ctx: CaseContext) -> None:
 
     def mine_and_peers(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """My local grad shard and the other replica group's grad of the same shard."""
-        gathered = gather_from(grad.to_local(), replicas)
+        gathered = gather_from(impl.local(grad), replicas)
         return gathered[me], gathered[1 - me]
 
     def replicas_agree(label: str, model: nn.Module, names: Iterable[str]) -> None:
@@ -323,10 +311,9 @@ REDUCE_OP_PLAN = (None, "sum", "sum", "avg")
 @case(
     "L1-03",
     "test_set_reduce_op_type",
-    "_test_fully_shard_module.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D fp32",
+    mesh={"dp": 2},
+    config="FSDP 1D fp32", needs=("reduce_op_type",),
 )
 def set_reduce_op_type(ctx: CaseContext) -> None:
     """set_reduce_op_type: "sum" grads are world_size x DDP's, "avg" (and the default) DDP's; after
@@ -335,7 +322,7 @@ def set_reduce_op_type(ctx: CaseContext) -> None:
     world, tol = ctx.world_size, ctx.tol
     model = MLP(DIMS)
     ddp = ddp_of(model)
-    shard_nested(model, model.layers, mesh=case_mesh((world,)))
+    shard_nested(model, model.layers, mesh=ctx.mesh)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     ref_opt = torch.optim.Adam(ddp.parameters(), lr=LR)
     for step, op in enumerate(REDUCE_OP_PLAN):
@@ -358,9 +345,7 @@ def set_reduce_op_type(ctx: CaseContext) -> None:
         with torch.no_grad():
             for param in refs.values():
                 param.grad.mul_(scale)  # the baseline optimizer is fed the same grads
-        for optimizer in (opt, ref_opt):
-            optimizer.step()
-            optimizer.zero_grad()
+        step_optimizers((opt, ref_opt))
         for name, param in named_params(model).items():
             state, ref_state = opt.state[param], ref_opt.state[refs[name]]
             for key in ("exp_avg", "exp_avg_sq"):
@@ -374,10 +359,9 @@ ACCUMULATED = 3  # backwards accumulated before zero_grad: two reduced, the last
 @case(
     "L1-04",
     "test_zero_grad",
-    "_test_fully_shard_module.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D fp32",
+    mesh={"dp": 2},
+    config="FSDP 1D fp32", needs=("zero_grad", "gradient_sync"),
 )
 def zero_grad(ctx: CaseContext) -> None:
     """After accumulating reduced grads and one locally held (unsynced) grad, zero_grad() clears
@@ -385,7 +369,7 @@ def zero_grad(ctx: CaseContext) -> None:
     backward gives fresh grads equal to DDP's one-step grads, and training goes on like DDP."""
     model = MLP(DIMS)
     ddp = ddp_of(model)
-    shard_nested(model, model.layers, mesh=case_mesh((ctx.world_size,)))
+    shard_nested(model, model.layers, mesh=ctx.mesh)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     ref_opt = torch.optim.Adam(ddp.parameters(), lr=LR)
     tol = ctx.tol
@@ -423,19 +407,16 @@ def zero_grad(ctx: CaseContext) -> None:
         ctx.close(f"{where} next step loss", loss, ref_loss, tol.loss)
         ctx.close(f"{where} next step grad norm", grad_norm(model), grad_norm(ddp), tol.grad)
         record_grads(ctx, f"{where} next step (fresh, = one-step DDP)", model, ddp, tol.grad)
-        for optimizer in (opt, ref_opt):
-            optimizer.step()
-            optimizer.zero_grad()
+        step_optimizers((opt, ref_opt))
         record_params(ctx, f"{where} after the step", model, ddp, tol.grad)
 
 
 @case(
     "L1-05",
     "test_manual_reshard_unshard_lifecycle",
-    "_test_fully_shard_module.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D fp32",
+    mesh={"dp": 2},
+    config="FSDP 1D fp32", needs=("unshard_reshard",),
 )
 def manual_reshard_unshard_lifecycle(ctx: CaseContext) -> None:
     """unshard(async_op=True) twice, wait() on the handles, unshard() again: nothing raised, one
@@ -445,9 +426,9 @@ def manual_reshard_unshard_lifecycle(ctx: CaseContext) -> None:
     world, rank = ctx.world_size, ctx.rank
     model = MLP(DIMS)
     ddp = ddp_of(model)
-    full_numel, shard_numel = _numels(model, world, rank)
+    full_numel, shard_numel = numels(model, world, rank)
     ctx.require("every param splits over the ranks", all(shard_numel[n] < full_numel[n] for n in full_numel))
-    shard_nested(model, model.layers[:2], mesh=case_mesh((world,)))
+    shard_nested(model, model.layers[:2], mesh=ctx.mesh)
     targets = (("layers.0", model.layers[0], ("layers.0.weight", "layers.0.bias")), ("root", model, ROOT_OWN))
 
     def lifecycle(label: str, tol: float | None) -> None:
@@ -480,7 +461,7 @@ def manual_reshard_unshard_lifecycle(ctx: CaseContext) -> None:
             unsharded = {name: params[name] for name in own}
             for name in own:
                 param = params[name]
-                plain = not isinstance(param, DTensor)
+                plain = not impl.is_sharded(param)
                 ctx.true(f"{where} unsharded: {name} a plain tensor", plain, type(param).__name__)
                 if tol is None:
                     ctx.equal(f"{where} unsharded: {name} == reference weights", param, refs[name])
@@ -492,7 +473,7 @@ def manual_reshard_unshard_lifecycle(ctx: CaseContext) -> None:
             _record_numels(ctx, f"{where} resharded", model, shard_numel, full_numel)
             params = named_params(model)
             for name in own:
-                ctx.true(f"{where} resharded: {name} a DTensor", isinstance(params[name], DTensor))
+                ctx.true(f"{where} resharded: {name} sharded", impl.is_sharded(params[name]))
                 ctx.equal(
                     f"{where} resharded: the unsharded {name} freed (elements held)", local_numel(unsharded[name]), 0
                 )
@@ -505,10 +486,9 @@ def manual_reshard_unshard_lifecycle(ctx: CaseContext) -> None:
 @case(
     "L1-09",
     "test_fully_shard_list_input",
-    "_test_fully_shard_module.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D fp32",
+    mesh={"dp": 2},
+    config="FSDP 1D fp32", needs=("list_input", "reshard_controls", "gradient_sync", "unshard_reshard"),
 )
 def fully_shard_list_input(ctx: CaseContext) -> None:
     """fully_shard([layer0, layer1]) returns a list of the two modules, each an HSDPModule with its
@@ -516,18 +496,18 @@ def fully_shard_list_input(ctx: CaseContext) -> None:
     alone) leaves the other's params and grads as they would be; the whole model trains like DDP
     with finite grads."""
     world, rank, tol = ctx.world_size, ctx.rank, ctx.tol
-    mesh = case_mesh((world,))
+    mesh = ctx.mesh
     model = MLP(DIMS)
     ddp = ddp_of(model)
-    full_numel, shard_numel = _numels(model, world, rank)
+    full_numel, shard_numel = numels(model, world, rank)
     listed = [model.layers[0], model.layers[1]]
-    returned = fully_shard(listed, mesh=mesh)
+    returned = impl.fully_shard(listed, mesh=mesh)
     ctx.true("returns a list", isinstance(returned, list), type(returned).__name__, "list")
     ctx.require("one element per listed module", isinstance(returned, list) and len(returned) == len(listed))
     for i, (element, module) in enumerate(zip(returned, listed, strict=True)):
-        ctx.true(f"element {i} is an HSDPModule", isinstance(element, HSDPModule), type(element).__name__)
+        ctx.true(f"element {i} is an HSDPModule", isinstance(element, impl.HSDPModule), type(element).__name__)
         ctx.true(f"element {i} is listed module {i}", element is module)
-    fully_shard(model, mesh=mesh)  # the root's group holds layer 2
+    impl.fully_shard(model, mesh=mesh)  # the root's group holds layer 2
     own = {i: (f"layers.{i}.weight", f"layers.{i}.bias") for i in range(len(listed))}
 
     def grads_finite(label: str) -> None:

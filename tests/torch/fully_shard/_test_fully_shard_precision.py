@@ -6,24 +6,22 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.kit.api import HSDPModule, MixedPrecisionPolicy, fully_shard
 from tests.kit.case import CaseContext, case
+from tests.kit.layout import padded_shard_numel
 from tests.kit.models import MLP, rank_batches
 from tests.kit.recorder import CollectiveRecorder
 from tests.kit.reference import SameDtypeReference, ddp_of, full
+from tests.kit.surface import impl
 from tests.kit.tolerances import Tolerance, specific, tolerance
 from tests.kit.training import (
-    case_mesh,
     differs_across_ranks,
     named_params,
-    padded_shard_numel,
     raises_nothing,
     record_grads,
     shard_nested,
@@ -38,15 +36,14 @@ DIMS = (7, 13, 5, 3)
 @case(
     "L0-06",
     "test_comm_fusion_on_off",
-    "_test_fully_shard_precision.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D fp32",
+    mesh={"dp": 2},
+    config="FSDP 1D fp32", needs=("comm_fusion",),
 )
 def comm_fusion_on_off(ctx: CaseContext) -> None:
     """comm_fusion=True issues one all-gather / reduce-scatter per group, False one per param; both
     train like DDP."""
-    mesh = case_mesh((ctx.world_size,))
+    mesh = ctx.mesh
     batches = rank_batches(ctx.rank, (4, DIMS[0]))
     totals = {}
     for fused in (True, False):
@@ -71,26 +68,25 @@ def comm_fusion_on_off(ctx: CaseContext) -> None:
 @case(
     "L0-07",
     "test_fully_shard_list_input_precision",
-    "_test_fully_shard_precision.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D fp32",
+    mesh={"dp": 2},
+    config="FSDP 1D fp32", needs=("list_input",),
 )
 def list_input_precision(ctx: CaseContext) -> None:
     """Two layers sharded by one list call, as independent groups under a sharded root, train like DDP."""
-    mesh = case_mesh((ctx.world_size,))
+    mesh = ctx.mesh
     model = MLP(DIMS)
     ddp = ddp_of(model)
     listed = [model.layers[0], model.layers[1]]
-    groups = fully_shard(listed, mesh=mesh)
+    groups = impl.fully_shard(listed, mesh=mesh)
     ctx.require(
         "the list call returns its modules, each an HSDPModule",
         isinstance(groups, list)
         and len(groups) == len(listed)
-        and all(g is m and isinstance(g, HSDPModule) for g, m in zip(groups, listed, strict=False)),
+        and all(g is m and isinstance(g, impl.HSDPModule) for g, m in zip(groups, listed, strict=False)),
         f"{type(groups).__name__}",
     )
-    fully_shard(model, mesh=mesh)
+    impl.fully_shard(model, mesh=mesh)
 
     train_against(ctx, model, ddp, rank_batches(ctx.rank, (4, DIMS[0])), square_mean, ctx.tol)
 
@@ -135,18 +131,17 @@ def _names(dtypes: set[torch.dtype]) -> str:
 @case(
     "L0-10",
     "test_mp_defaults_and_fp16",
-    "_test_fully_shard_precision.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D fp16",
+    mesh={"dp": 2},
+    config="FSDP 1D fp16", needs=("mixed_precision",),
 )
 def mp_defaults_and_fp16(ctx: CaseContext) -> None:
     """The default MixedPrecisionPolicy computes and communicates in fp32; fp16/fp32/fp32 computes and
     gathers in fp16 and reduces in fp32 into fp32 grads; both match a same-dtype reference."""
     batches = rank_batches(ctx.rank, (4, DIMS[0]))
     configs = (
-        ("default", MixedPrecisionPolicy(), tolerance("FSDP 1D fp32")),
-        ("fp16/fp32/fp32", MixedPrecisionPolicy(torch.float16, torch.float32, torch.float32), ctx.tol),
+        ("default", impl.MixedPrecisionPolicy(), tolerance("FSDP 1D fp32")),
+        ("fp16/fp32/fp32", impl.MixedPrecisionPolicy(torch.float16, torch.float32, torch.float32), ctx.tol),
     )
     for label, policy, tol in configs:
         _train_under_policy(ctx, label, policy, tol, batches)
@@ -161,7 +156,7 @@ class _PolicyRun(NamedTuple):
 def _train_under_policy(
     ctx: CaseContext,
     label: str,
-    policy: MixedPrecisionPolicy,
+    policy: Any,
     tol: Tolerance,
     batches: list[torch.Tensor],
     self_casting: bool = False,
@@ -176,14 +171,14 @@ def _train_under_policy(
     given = batches[0].dtype
     model = MLP(DIMS, self_casting=self_casting)
     reference = SameDtypeReference(model, compute, reduce, policy.output_dtype, policy.cast_forward_inputs)
-    shard_nested(model, model.layers, mesh=case_mesh((ctx.world_size,)), mp_policy=policy)
+    shard_nested(model, model.layers, mesh=ctx.mesh, mp_policy=policy)
     probe = _DtypeProbe(model.layers[0], model)
     recorders: list[CollectiveRecorder] = []
 
     def grads_fp32(step: int) -> None:
         for name, param in named_params(model).items():
             grad = param.grad
-            ctx.true(f"{label} step {step} grad {name} is a DTensor", isinstance(grad, DTensor), type(grad).__name__)
+            ctx.true(f"{label} step {step} grad {name} is sharded", impl.is_sharded(grad), type(grad).__name__)
             ctx.equal(f"{label} step {step} grad dtype {name}", str(getattr(grad, "dtype", None)), str(torch.float32))
 
     train_against(
@@ -214,10 +209,9 @@ def _train_under_policy(
 @case(
     "L1-06",
     "test_ignored_params",
-    "_test_fully_shard_precision.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D fp32",
+    mesh={"dp": 2},
+    config="FSDP 1D fp32", needs=("ignored_params",),
 )
 def ignored_params(ctx: CaseContext) -> None:
     """An ignored param stays the user's plain, whole tensor (not a DTensor; not moved, cast or
@@ -238,30 +232,30 @@ def ignored_params(ctx: CaseContext) -> None:
     # layer 0 is a group of its own; the root's group holds layer 1's bias and layer 2
     groups = [("layers.0.weight", "layers.0.bias"), ("layers.1.bias", "layers.2.weight", "layers.2.bias")]
     gathered = sorted(padded_shard_numel([full_params[n] for n in names], world) for names in groups)
-    mesh = case_mesh((world,))
-    fully_shard(model.layers[0], mesh=mesh)
-    fully_shard(model, mesh=mesh, ignored_params=[ignored])
+    mesh = ctx.mesh
+    impl.fully_shard(model.layers[0], mesh=mesh)
+    impl.fully_shard(model, mesh=mesh, ignored_params=[ignored])
 
     params = named_params(model)
     ctx.true("the ignored param is still the user's tensor", params[ignored_name] is ignored)
-    ctx.true("the ignored param is not a DTensor", not isinstance(ignored, DTensor), type(ignored).__name__)
+    ctx.true("the ignored param is not sharded", not impl.is_sharded(ignored), type(ignored).__name__)
     ctx.equal("the ignored param's numel == full numel", ignored.numel(), original.numel())
     ctx.equal("the ignored param's dtype", str(ignored.dtype), str(original.dtype))
     ctx.equal("the ignored param's device", str(ignored.device), str(original.device))
     ctx.equal("the ignored param's data untouched", ignored.detach(), original)
     for name, param in params.items():
         if name != ignored_name:
-            ctx.true(f"{name} is sharded (a DTensor)", isinstance(param, DTensor), type(param).__name__)
+            ctx.true(f"{name} is sharded", impl.is_sharded(param), type(param).__name__)
 
     def grads(step: int) -> None:
         grad = ignored.grad
         where = f"step {step} ignored grad"
-        ctx.true(f"{where}: a plain tensor", grad is not None and not isinstance(grad, DTensor), type(grad).__name__)
+        ctx.true(f"{where}: a plain tensor", grad is not None and not impl.is_sharded(grad), type(grad).__name__)
         ctx.equal(f"{where}: numel == full numel", getattr(grad, "numel", lambda: 0)(), original.numel())
         ctx.true(f"{where}: differs across ranks (not synced)", grad is not None and differs_across_ranks(grad))
         for name, param in named_params(model).items():
             if name != ignored_name:
-                ctx.true(f"step {step} grad {name} is a DTensor", isinstance(param.grad, DTensor))
+                ctx.true(f"step {step} grad {name} is sharded", impl.is_sharded(param.grad))
 
     recorders: list[CollectiveRecorder] = []
     train_against(ctx, model, ddp, batches, square_mean, ctx.tol, recorders=recorders, after_backward=grads)
@@ -279,10 +273,9 @@ def ignored_params(ctx: CaseContext) -> None:
 @case(
     "L1-08",
     "test_comm_fusion_numerical_correctness",
-    "_test_fully_shard_precision.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D fp32",
+    mesh={"dp": 2},
+    config="FSDP 1D fp32", needs=("comm_fusion",),
 )
 def comm_fusion_numerical_correctness(ctx: CaseContext) -> None:
     """comm_fusion on and off train the same model on the same data to the same numbers: per step,
@@ -290,7 +283,7 @@ def comm_fusion_numerical_correctness(ctx: CaseContext) -> None:
     both within 1e-5 of DDP. The fused run sends one all-gather / reduce-scatter per group (the
     group's padded shards back to back), the unfused one one per param."""
     world = ctx.world_size
-    mesh = case_mesh((world,))
+    mesh = ctx.mesh
     batches = rank_batches(ctx.rank, (4, DIMS[0]), steps=3)
     same = specific("comm fusion equivalence")
     layers = MLP(DIMS).layers
@@ -359,40 +352,37 @@ def comm_fusion_numerical_correctness(ctx: CaseContext) -> None:
 @case(
     "L1-10",
     "test_mp_bf16_param_fp32_reduce",
-    "_test_fully_shard_precision.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D bf16",
+    mesh={"dp": 2},
+    config="FSDP 1D bf16", needs=("mixed_precision",),
 )
 def mp_bf16_param_fp32_reduce(ctx: CaseContext) -> None:
     """bf16/fp32/fp32: compute params and all-gathers bf16, reductions fp32, fp32 DTensor grads,
     fp32 output; loss, grad norm and grads within 1e-3 of the bf16 same-dtype reference."""
-    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32, torch.float32)
+    policy = impl.MixedPrecisionPolicy(torch.bfloat16, torch.float32, torch.float32)
     _train_under_policy(ctx, "bf16/fp32/fp32", policy, ctx.tol, rank_batches(ctx.rank, (4, DIMS[0])))
 
 
 @case(
     "L1-11",
     "test_mp_bf16_all_bf16",
-    "_test_fully_shard_precision.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D bf16",
+    mesh={"dp": 2},
+    config="FSDP 1D bf16", needs=("mixed_precision",),
 )
 def mp_bf16_all_bf16(ctx: CaseContext) -> None:
     """bf16/bf16/bf16: compute, all-gathers, reductions and the output in bf16; param.grad keeps
     the sharded param's dtype (fp32); loss, grad norm and grads within 1e-3 of the bf16 reference."""
-    policy = MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    policy = impl.MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16, torch.bfloat16)
     _train_under_policy(ctx, "bf16/bf16/bf16", policy, ctx.tol, rank_batches(ctx.rank, (4, DIMS[0])))
 
 
 @case(
     "L1-12",
     "test_mp_cast_forward_inputs_false",
-    "_test_fully_shard_precision.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D fp16",
+    mesh={"dp": 2},
+    config="FSDP 1D fp16", needs=("mixed_precision", "cast_forward_inputs"),
 )
 def mp_cast_forward_inputs_false(ctx: CaseContext) -> None:
     """fp16/fp32 with cast_forward_inputs=False: the root's and the first layer's forwards receive
@@ -400,7 +390,7 @@ def mp_cast_forward_inputs_false(ctx: CaseContext) -> None:
     casts what it needs itself trains without a dtype mismatch, finite losses, within 1e-3 of the
     fp16 reference that does not cast inputs either."""
     label = "fp16/fp32 no input cast"
-    policy = MixedPrecisionPolicy(torch.float16, torch.float32, cast_forward_inputs=False)
+    policy = impl.MixedPrecisionPolicy(torch.float16, torch.float32, cast_forward_inputs=False)
     batches = rank_batches(ctx.rank, (4, DIMS[0]))
     ctx.require(
         "the inputs' dtype differs from param_dtype (a cast would show)", batches[0].dtype != policy.param_dtype
@@ -427,22 +417,21 @@ MAIN_GRAD_SYNCS = (False, True, True)
 @case(
     "L1-13",
     "test_mp_apply_grad_on_fp32_main_grad",
-    "_test_fully_shard_precision.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D fp16",
+    mesh={"dp": 2},
+    config="FSDP 1D fp16", needs=("mixed_precision", "main_grad", "gradient_sync"),
 )
 def mp_apply_grad_on_fp32_main_grad(ctx: CaseContext) -> None:
     """fp16/fp32 with apply_grad_on_fp32_main_grad: per step a held-back micro-batch then two reduced
     ones accumulate in param.main_grad, one persistent fp32 DTensor that param.grad is; after each
     reduction and after 2 optimizer steps, loss, grads and params within 1e-5 of SameDtypeReference
     (same fp16 compute, fp32 accumulation and reduction); zero_grad clears the main grads."""
-    policy = MixedPrecisionPolicy(torch.float16, torch.float32, apply_grad_on_fp32_main_grad=True)
+    policy = impl.MixedPrecisionPolicy(torch.float16, torch.float32, apply_grad_on_fp32_main_grad=True)
     main = specific("fp32 main grad")
     tol = Tolerance(loss=main, grad=main)
     model = MLP(DIMS)
     reference = SameDtypeReference(model, torch.float16, torch.float32)
-    shard_nested(model, model.layers, mesh=case_mesh((ctx.world_size,)), mp_policy=policy)
+    shard_nested(model, model.layers, mesh=ctx.mesh, mp_policy=policy)
     buffers: dict[str, int] = {}
 
     def main_grads(step: int, micro: int, rec: CollectiveRecorder) -> None:
@@ -457,7 +446,7 @@ def mp_apply_grad_on_fp32_main_grad(ctx: CaseContext) -> None:
         for name, param in named_params(model).items():
             buffer = getattr(param, "main_grad", None)
             ctx.true(f"{where} {name}.grad is its main_grad", buffer is not None and param.grad is buffer)
-            ctx.true(f"{where} {name}.main_grad a DTensor", isinstance(buffer, DTensor), type(buffer).__name__)
+            ctx.true(f"{where} {name}.main_grad sharded", impl.is_sharded(buffer), type(buffer).__name__)
             ctx.equal(f"{where} {name}.main_grad dtype", str(getattr(buffer, "dtype", None)), str(torch.float32))
             first = buffers.setdefault(name, id(buffer))
             ctx.true(f"{where} {name}.main_grad is one persistent buffer", id(buffer) == first)

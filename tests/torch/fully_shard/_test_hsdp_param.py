@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Placement, Replicate, Shard
+from typing import Any
 
 from tests.kit.case import CaseContext, case
+from tests.kit.layout import shard_shape
 from tests.kit.models import MLP, rank_batches
 from tests.kit.recorder import CollectiveRecorder
 from tests.kit.reference import GlobalBatchReference
+from tests.kit.surface import impl
 from tests.kit.tolerances import Tolerance, specific
 from tests.kit.training import (
-    case_mesh,
     differs_across_ranks,
     named_params,
     shard_nested,
-    shard_shape,
     square_mean,
     train_against,
 )
@@ -23,10 +23,10 @@ from tests.kit.training import (
 DIMS = (8, 12, 5, 3)
 
 
-def _chosen_placements(names: list[str]) -> dict[str, Placement | None]:
+def _chosen_placements(names: list[str]) -> dict[str, Any]:
     """What the placement fn answers: weights Shard(1), the first biases Replicate(), the last
     bias None (the default, Shard(0))."""
-    chosen: dict[str, Placement | None] = {n: Shard(1) if n.endswith("weight") else Replicate() for n in names}
+    chosen: dict[str, Any] = {n: impl.Shard(1) if n.endswith("weight") else impl.Replicate() for n in names}
     chosen[names[-1]] = None
     return chosen
 
@@ -34,10 +34,9 @@ def _chosen_placements(names: list[str]) -> dict[str, Placement | None]:
 @case(
     "L1-07",
     "test_custom_shard_placement_fn",
-    "_test_hsdp_param.py",
     world_size=2,
-    mesh_shape=(2,),
-    config="FSDP 1D fp32",
+    mesh={"dp": 2},
+    config="FSDP 1D fp32", needs=("shard_placement_fn", "placement_replicate"),
 )
 def custom_shard_placement_fn(ctx: CaseContext) -> None:
     """shard_placement_fn decides each param's layout: Shard(1) holds columns (full_shape[1] //
@@ -52,7 +51,7 @@ def custom_shard_placement_fn(ctx: CaseContext) -> None:
     params = dict(model.named_parameters())
     shapes = {name: tuple(p.shape) for name, p in params.items()}
     chosen = _chosen_placements(list(params))
-    dim1 = [n for n, placement in chosen.items() if isinstance(placement, Shard)]
+    dim1 = [n for n, placement in chosen.items() if isinstance(placement, impl.Shard)]
     even = [n for n in dim1 if shapes[n][1] % world == 0]
     ctx.require(
         "dim-1 sharded params whose dim 1 divides by the ranks and one that does not", 0 < len(even) < len(dim1)
@@ -60,24 +59,24 @@ def custom_shard_placement_fn(ctx: CaseContext) -> None:
     name_of = {id(param): name for name, param in params.items()}
     asked: list[str] = []
 
-    def placement_fn(param) -> Placement | None:
+    def placement_fn(param) -> Any:
         asked.append(name_of[id(param)])
         return chosen[name_of[id(param)]]
 
     batches = rank_batches(rank, (4, DIMS[0]))
     ctx.require("ranks' batches differ (the global batch is not a rank's)", differs_across_ranks(batches[0]))
-    shard_nested(model, model.layers, mesh=case_mesh((world,)), shard_placement_fn=placement_fn)
+    shard_nested(model, model.layers, mesh=ctx.mesh, shard_placement_fn=placement_fn)
     ctx.equal("the placement fn is asked once per param", str(sorted(asked)), str(sorted(params)))
 
     for name, param in named_params(model).items():
-        placement, local = chosen[name], tuple(param.to_local().shape)
-        if isinstance(placement, Replicate):
-            ctx.equal(f"{name} Replicate(): placements", str(tuple(param.placements)), str((Replicate(),)))
+        placement, local = chosen[name], tuple(impl.local(param).shape)
+        if isinstance(placement, impl.Replicate):
+            ctx.equal(f"{name} Replicate(): placements", str(impl.placements(param)), str((impl.Replicate(),)))
             ctx.equal(f"{name} Replicate(): local shape == full shape", str(local), str(shapes[name]))
             continue
         dim = 0 if placement is None else placement.dim
         what = f"{name} {'None (default Shard(0))' if placement is None else f'Shard({dim})'}"
-        ctx.equal(f"{what}: placements", str(tuple(param.placements)), str((Shard(dim),)))
+        ctx.equal(f"{what}: placements", str(impl.placements(param)), str((impl.Shard(dim),)))
         expected = shard_shape(shapes[name], world, rank, dim)
         ctx.equal(f"{what}: local shape (chunks of ceil(n / world_size))", str(local), str(expected))
         if name in even:
@@ -85,12 +84,12 @@ def custom_shard_placement_fn(ctx: CaseContext) -> None:
 
     recorders: list[CollectiveRecorder] = []
     train_against(ctx, model, reference, batches, square_mean, tol, recorders=recorders, mean_loss_over_ranks=True)
-    replicated = [n for n, placement in chosen.items() if isinstance(placement, Replicate)]
+    replicated = [n for n, placement in chosen.items() if isinstance(placement, impl.Replicate)]
     for step, rec in enumerate(recorders):
         # one all-reduce per group holding Replicate() params (fused), for their grads
         ctx.equal(f"step {step} all-reduces (Replicate() grads)", len(rec.of("all_reduce")), len(replicated))
     for name in replicated:
-        local = named_params(model)[name].to_local()
+        local = impl.local(named_params(model)[name])
         whole = tuple(local.shape) == shapes[name]  # else its shape check failed already
         same = whole and not differs_across_ranks(local)
         ctx.true(f"{name} Replicate(): bitwise equal on all ranks after training", same)

@@ -1,0 +1,121 @@
+"""Adapter of torch FSDP2 (``torch.distributed.fsdp.fully_shard``) to the HyperParallel API.
+
+Translations only: the HyperParallel keywords FSDP2 does not have are refused with
+``NotImplementedError`` naming them (``replicate_params``, ``comm_fusion=False``, ``device``,
+``apply_grad_on_fp32_main_grad``, a ``Replicate()`` from ``shard_placement_fn``), and
+``set_reduce_op_type`` maps to FSDP2's gradient divide factor (``"sum"``: 1, ``"avg"``: the
+data-parallel world size, FSDP2's default). Features FSDP2 lacks are left out of ``features``:
+independent groups from a list input, replicated params, switching comm fusion off, fp32 main
+grads, ``Replicate()`` placements, and ``zero_grad`` of locally accumulated (unsynced) grads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import fsdp
+from torch.distributed.tensor import Replicate, Shard
+
+from tests.kit.surface import FEATURES, Implementation, Spec
+
+LACKING = {"list_input", "replicate_params", "comm_fusion", "main_grad", "placement_replicate", "zero_grad"}
+
+
+def MixedPrecisionPolicy(  # noqa: N802 - the API's class name
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    output_dtype: torch.dtype | None = None,
+    cast_forward_inputs: bool = True,
+    apply_grad_on_fp32_main_grad: bool = False,
+) -> fsdp.MixedPrecisionPolicy:
+    """FSDP2's policy; the fp32 main grad is HyperParallel's own, refused."""
+    if apply_grad_on_fp32_main_grad:
+        raise NotImplementedError("MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True): FSDP2 has no main grad")
+    return fsdp.MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype, cast_forward_inputs)
+
+
+def _refuse_replicate(fn: Callable[[nn.Parameter], Any] | None) -> Callable[[nn.Parameter], Any] | None:
+    """The user's placement fn, refusing ``Replicate()`` (FSDP2 places every param with Shard)."""
+    if fn is None:
+        return None
+
+    def placement(param: nn.Parameter) -> Any:
+        chosen = fn(param)
+        if isinstance(chosen, Replicate):
+            raise NotImplementedError("shard_placement_fn returning Replicate(): FSDP2 shards every param")
+        return chosen
+
+    return placement
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: Any = None,
+    reshard_after_forward: bool | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: fsdp.MixedPrecisionPolicy | None = None,
+    offload_policy: fsdp.OffloadPolicy | None = None,
+    ignored_params: Iterable[nn.Parameter] | None = None,
+    replicate_params: Iterable[nn.Parameter] | None = None,
+    comm_fusion: bool = True,
+    device: Any = None,
+) -> Any:
+    """HyperParallel's signature onto FSDP2's ``fully_shard``."""
+    if replicate_params:
+        raise NotImplementedError("fully_shard(replicate_params=...): FSDP2 has no replicated params")
+    if comm_fusion is not True:
+        raise NotImplementedError("fully_shard(comm_fusion=False): FSDP2 always fuses a group's collectives")
+    if device is not None:
+        raise NotImplementedError("fully_shard(device=...): FSDP2 takes the device from the mesh")
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError("fully_shard([modules]) as independent groups: FSDP2 makes one group of a list")
+    return fsdp.fully_shard(
+        module,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=_refuse_replicate(shard_placement_fn),
+        mp_policy=mp_policy or fsdp.MixedPrecisionPolicy(),
+        offload_policy=offload_policy or fsdp.OffloadPolicy(),
+        ignored_params=set(ignored_params) if ignored_params is not None else None,
+    )
+
+
+def _set_reduce_op_type(self: fsdp.FSDPModule, reduce_op_type: str, *, recurse: bool = True) -> None:
+    """``"sum"`` / ``"avg"`` as FSDP2's gradient divide factor of every group below."""
+    if reduce_op_type not in ("sum", "avg"):
+        raise ValueError(f"reduce_op_type must be 'sum' or 'avg', got {reduce_op_type!r}")
+    modules = self.modules() if recurse else [self]
+    for module in modules:
+        if isinstance(module, fsdp.FSDPModule):
+            params = list(module.parameters(recurse=False)) or list(module.parameters())
+            world = math.prod(params[0].device_mesh.shape) if params else 1
+            module.set_gradient_divide_factor(1.0 if reduce_op_type == "sum" else float(world))
+
+
+class TorchFSDP2(Implementation):
+    """torch FSDP2 behind the HyperParallel names; torch's mesh and tensor types."""
+
+    name = "torch-fsdp2"
+    features = frozenset(FEATURES) - LACKING
+    Shard = Shard
+    Replicate = Replicate
+
+    def __init__(self, spec: Spec) -> None:
+        super().__init__(spec, fsdp)
+        self.fully_shard = fully_shard
+        self.HSDPModule = fsdp.FSDPModule
+        self.MixedPrecisionPolicy = MixedPrecisionPolicy
+        self.OffloadPolicy = fsdp.OffloadPolicy
+        self.CPUOffloadPolicy = fsdp.CPUOffloadPolicy
+        if not hasattr(fsdp.FSDPModule, "set_reduce_op_type"):
+            fsdp.FSDPModule.set_reduce_op_type = _set_reduce_op_type
+
+
+def load(spec: Spec) -> TorchFSDP2:
+    """torch FSDP2 of the installed torch."""
+    return TorchFSDP2(spec)

@@ -1,0 +1,33 @@
+"""Adapter of a ``hyper_parallel`` package built on torch's DeviceMesh and DTensor (ours, or
+another checkout of it): the API is taken as it is."""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+
+from tests.kit.surface import Implementation, Spec, import_package
+
+
+class Native(Implementation):
+    """The package's own names; torch's mesh and tensor types."""
+
+    name = "native"
+    Shard = Shard
+    Replicate = Replicate
+
+    def __init__(self, spec: Spec) -> None:
+        package = import_package("hyper_parallel", spec.path)
+        super().__init__(spec, package)
+        self.fully_shard = package.fully_shard
+        self.HSDPModule = package.HSDPModule
+        self.MixedPrecisionPolicy = package.MixedPrecisionPolicy
+        self.OffloadPolicy = package.OffloadPolicy
+        self.CPUOffloadPolicy = package.CPUOffloadPolicy
+        declared = getattr(package, "HPKIT_FEATURES", None)  # a package may declare less than all
+        if declared is not None:
+            self.features = frozenset(declared)
+
+
+def load(spec: Spec) -> Native:
+    """The native implementation at ``spec.path``."""
+    return Native(spec)

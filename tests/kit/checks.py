@@ -1,0 +1,188 @@
+"""What a case body sees on one rank (``CaseContext``): its mesh, its tolerances, and the checks
+it records. A body never asserts by itself: one run reports every check, and the driver turns
+the records of all ranks into one verdict (``tests.kit.verdict``).
+
+Checks beyond what the plan and the API promise are recorded inside ``with ctx.extra(why):``;
+they are reported beside the plan's checks, and our engine must pass both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from tests.kit.surface import impl
+from tests.kit.tolerances import Tolerance, tolerance
+
+if TYPE_CHECKING:
+    from tests.kit.case import Case
+
+
+@dataclass
+class Check:
+    """One recorded check of one rank."""
+
+    name: str
+    rank: int
+    measured: float | str
+    reference: float | str
+    tol: float | None
+    passed: bool
+    error: float | None = None  # |measured - reference| (max element-wise) where it applies
+    extra: str | None = None  # why the check goes beyond the plan (None: a plan check)
+
+
+class PreconditionFailed(AssertionError):
+    """A precondition that makes the case's checks meaningful does not hold: stop the case."""
+
+
+def as_number(value: Any) -> float | str:
+    """A float for numbers and one-element tensors (DTensors too), else the value's text."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(impl.full(value).detach().double().item())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return str(value)
+
+
+def device_type() -> str:
+    """The device type of the process group's backend (cuda with nccl, else cpu)."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+@dataclass
+class CaseContext:
+    """What a case body sees on one rank: its place in the run, its mesh, tolerances and checks."""
+
+    case: Case | None  # None outside a registered case (StrictChecks)
+    rank: int
+    world_size: int
+    checks: list[Check] = field(default_factory=list)
+    # name -> {"ours": [...], "reference": [...]} per step, for the notebooks' plots
+    series: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    kept: dict[str, Any] = field(default_factory=dict)
+    _meshes: dict[tuple, Any] = field(default_factory=dict, repr=False)
+    _extra: str | None = field(default=None, repr=False)
+
+    @property
+    def tol(self) -> Tolerance:
+        """The case's row of the precision matrix."""
+        return tolerance(self.case.config)
+
+    # -- the case's mesh ---------------------------------------------------------------------
+    @property
+    def mesh(self) -> Any:
+        """The case's own mesh, of the shape and dim names it declares (built on first use)."""
+        return self.mesh_of(**self.case.mesh)
+
+    def mesh_of(self, **dims: int) -> Any:
+        """A mesh with these named dims over the first ranks (e.g. ``mesh_of(dp=4)``), built once."""
+        key = tuple(dims.items())
+        if key not in self._meshes:
+            self._meshes[key] = impl.init_mesh(device_type(), tuple(dims.values()), tuple(dims))
+        return self._meshes[key]
+
+    def submesh(self, *dim_names: str) -> Any:
+        """The named dims of the case's mesh (this rank's slice), e.g. ``ctx.submesh("dp")``."""
+        return impl.submesh(self.mesh, *dim_names)
+
+    # -- checks ------------------------------------------------------------------------------
+    def close(self, name: str, measured: Any, reference: Any, tol: float) -> bool:
+        """Element-wise ``max |measured - reference| <= tol`` (tensors, sharded tensors or numbers)."""
+        ours, ref = self._tensor(measured), self._tensor(reference)
+        if ours.shape != ref.shape:
+            return self._record(name, f"shape {tuple(ours.shape)}", f"shape {tuple(ref.shape)}", tol, False)
+        error = (ours - ref).abs().max().item() if ours.numel() else 0.0
+        passed = math.isfinite(error) and error <= tol
+        shown_ours = as_number(ours) if ours.numel() == 1 else f"tensor{tuple(ours.shape)}"
+        shown_ref = as_number(ref) if ref.numel() == 1 else f"tensor{tuple(ref.shape)}"
+        return self._record(name, shown_ours, shown_ref, tol, passed, error)
+
+    def equal(self, name: str, measured: Any, reference: Any) -> bool:
+        """Exact equality: bitwise for tensors, ``==`` otherwise."""
+        if isinstance(measured, torch.Tensor) or isinstance(reference, torch.Tensor):
+            ours, ref = self._tensor(measured), self._tensor(reference)
+            same = ours.shape == ref.shape and torch.equal(ours, ref)
+            error = (ours - ref).abs().max().item() if same is False and ours.shape == ref.shape else 0.0
+            return self._record(name, f"tensor{tuple(ours.shape)}", f"tensor{tuple(ref.shape)}", 0.0, same, error)
+        return self._record(name, as_number(measured), as_number(reference), None, measured == reference)
+
+    def true(self, name: str, condition: bool, measured: Any = "", reference: Any = "") -> bool:
+        """A property that must hold (e.g. a dtype, a type, a count), with what was seen."""
+        return self._record(name, as_number(measured), as_number(reference), None, bool(condition))
+
+    def at_most(self, name: str, value: Any, bound: float, slack: float = 0.0) -> bool:
+        """``value <= bound + slack`` (e.g. a clipped norm against max_norm)."""
+        number = float(as_number(value))
+        return self._record(name, number, bound, slack, number <= bound + slack)
+
+    def require(self, name: str, condition: bool, detail: str = "") -> None:
+        """Record a precondition; if it fails the rest of the case would prove nothing: stop."""
+        self._record(f"precondition: {name}", detail or str(bool(condition)), "True", None, bool(condition))
+        if not condition:
+            case_id = self.case.id if self.case else "check"
+            raise PreconditionFailed(f"{case_id} precondition failed on rank {self.rank}: {name} {detail}")
+
+    @contextlib.contextmanager
+    def extra(self, why: str) -> Iterator[None]:
+        """Checks recorded inside go beyond the plan and the API (``why``); an exception inside is
+        a failed extra check, not the end of the case (keep collectives symmetric in here)."""
+        outer, self._extra = self._extra, why
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - reported as the extra check that failed
+            self.true(f"{why}: raises nothing", False, repr(exc)[:200], "no exception")
+        finally:
+            self._extra = outer
+
+    def step(self, series: str, ours: Any, reference: Any) -> None:
+        """Append one step of a curve (e.g. loss) for the plots; checks are separate."""
+        entry = self.series.setdefault(series, {"ours": [], "reference": []})
+        entry["ours"].append(float(as_number(ours)))
+        entry["reference"].append(float(as_number(reference)))
+
+    def keep(self, **objects: Any) -> None:
+        """Leave objects on this engine for interactive inspection after the run."""
+        self.kept.update(objects)
+
+    # -- internals -----------------------------------------------------------------------------
+    @staticmethod
+    def _tensor(value: Any) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            return impl.full(value).detach().double().cpu()
+        return torch.tensor(value, dtype=torch.float64)
+
+    def _record(self, name, measured, reference, tol, passed, error=None) -> bool:
+        self.checks.append(Check(name, self.rank, measured, reference, tol, bool(passed), error, self._extra))
+        return bool(passed)
+
+    def result(self) -> dict[str, Any]:
+        """What travels back to the driver: plain data only."""
+        return {"checks": [asdict(c) for c in self.checks], "series": self.series}
+
+
+class StrictChecks(CaseContext):
+    """The same checks outside a case (engine tests): the first one that fails raises at once."""
+
+    def __init__(self, **mesh_dims: int) -> None:
+        super().__init__(case=None, rank=dist.get_rank(), world_size=dist.get_world_size())
+        self._mesh_dims = mesh_dims or {"dp": dist.get_world_size()}
+
+    @property
+    def mesh(self) -> Any:
+        """The test's mesh (``StrictChecks(dp=2)``; default: 1-D over the world)."""
+        return self.mesh_of(**self._mesh_dims)
+
+    def _record(self, name, measured, reference, tol, passed, error=None) -> bool:
+        super()._record(name, measured, reference, tol, passed, error)
+        if not passed:
+            raise AssertionError(
+                f"{name}: measured {measured}, reference {reference}, error {error}, tol {tol} (rank {self.rank})"
+            )
+        return True

@@ -1,0 +1,166 @@
+"""What went wrong on which rank: the failure a run raises, and the texts it is built from
+(remote tracebacks, faulthandler stacks made readable, how an engine process ended)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+from typing import Any
+
+import psutil
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class RankFailure(AssertionError):
+    """A distributed run failed: message names each failing rank with its traceback or Python stack.
+
+    Besides the text, it says how each rank failed, so a verdict can tell an implementation
+    that refused a feature (``raised``) from one that hung (``timed_out``) or died (``dead``).
+    """
+
+    failures: dict[int, str]  # rank -> traceback, Python stack or death notice
+    elapsed_s: float | None  # seconds from the start of the run until the failure was seen
+
+    def __init__(
+        self,
+        summary: str,
+        failures: dict[int, str],
+        elapsed_s: float | None = None,
+        raised: dict[int, tuple[str, str]] | None = None,
+        dead: set[int] | frozenset[int] = frozenset(),
+        timed_out: bool = False,
+    ) -> None:
+        """Build the message from a one-line summary and rank -> text."""
+        self.summary = summary
+        self.failures = dict(sorted(failures.items()))
+        self.elapsed_s = elapsed_s
+        self.raised = dict(raised or {})  # rank -> (exception type name, first line of its message)
+        self.dead = set(dead)
+        self.timed_out = timed_out
+        parts = [summary]
+        for rank, text in self.failures.items():
+            parts.append(f"\n===== rank {rank} =====\n{text.rstrip()}")
+        super().__init__("\n".join(parts))
+
+    def __reduce__(self) -> tuple:
+        """Pickle support (pytest-xdist, ipyparallel) despite the multi-argument constructor."""
+        args = (self.summary, self.failures, self.elapsed_s, self.raised, self.dead, self.timed_out)
+        return (type(self), args)
+
+
+def format_remote_error(exc: BaseException) -> str:
+    """Traceback text of an ipyparallel RemoteError (ANSI colours removed)."""
+    tb = getattr(exc, "traceback", None)
+    if tb:
+        text = tb if isinstance(tb, str) else "\n".join(tb)
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    return _ANSI.sub("", text)
+
+
+def error_parts(exc: BaseException) -> tuple[str, str]:
+    """(exception type name, first line of its message) of a remote (or local) exception."""
+    ename = getattr(exc, "ename", None) or type(exc).__name__
+    evalue = getattr(exc, "evalue", None)
+    if evalue is None:
+        evalue = str(exc)
+    first = str(evalue).strip().splitlines()
+    return ename, first[0] if first else ""
+
+
+def error_line(exc: BaseException) -> str:
+    """'EName: evalue' of a remote (or local) exception."""
+    ename, evalue = error_parts(exc)
+    return f"{ename}: {evalue}"
+
+
+def strip_ansi(text: str) -> str:
+    """Text without terminal colour codes."""
+    return _ANSI.sub("", text)
+
+
+_IDLE_FRAME = re.compile(
+    r'File "[^"]*(?:/threading\.py|/selectors\.py|/queue\.py'
+    r'|/(?:asyncio|concurrent|tornado|zmq|ipykernel|ipyparallel)/[^"]*)"|in _watch_parent$'
+)
+
+
+def format_stack(raw: str, main_thread: int | None) -> str:
+    """faulthandler dump made readable: main thread first and cut at the rank entry, idle threads dropped."""
+    lines = [line for line in raw.strip().splitlines() if not line.startswith("Extension modules:")]
+    if not lines:
+        return ""
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", "\n".join(lines))
+    tag = f"0x{main_thread:016x}" if main_thread else None
+    preface, main, others, idle = [], [], [], 0
+    for block in blocks:
+        header, _, body = block.strip().partition("\n")
+        if not header.startswith(("Thread 0x", "Current thread 0x")):
+            preface.append(block.strip())  # e.g. "Fatal Python error: Segmentation fault"
+        elif tag and tag in header:
+            frames = body.splitlines()
+            cut = [i for i, f in enumerate(frames) if f.endswith(" in rank_entry")]
+            if cut:  # frames below the rank entry are ipyparallel's request dispatch
+                frames = frames[: cut[0] + 1] + ["  ... (ipyparallel engine frames)"]
+            header = header.replace("(most recent call first)", "(main thread, most recent call first)")
+            main.append("\n".join([header, *frames]))
+        elif body and all(_IDLE_FRAME.search(f) for f in body.splitlines() if f.strip()):
+            idle += 1
+        else:
+            others.append(block.strip())
+    text = "\n\n".join(preface + main + others)
+    if idle:
+        text += f"\n\n({idle} idle ipyparallel/zmq/asyncio threads not shown)"
+    return text
+
+
+def completed_at(ar: Any) -> float:
+    """Engine-side completion time of a finished task (inf if unknown): first failure first."""
+    with contextlib.suppress(Exception):
+        stamp = ar.metadata["completed"]
+        if isinstance(stamp, list):
+            stamp = stamp[0]
+        return stamp.timestamp()
+    return float("inf")
+
+
+def tail(path: str, lines: int = 12) -> str:
+    """Last lines of a text file ('' if missing)."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def exit_text(proc: psutil.Process | None) -> str:
+    """' (exit code N)' / ' (killed by SIGX)' for a dead child, '' when unknown."""
+    if proc is None:
+        return ""
+    try:
+        code = proc.wait(timeout=0)
+    except (psutil.Error, ChildProcessError, OSError):
+        return ""
+    if code is None:
+        return ""
+    if code < 0:
+        try:
+            return f" (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            return f" (killed by signal {-code})"
+    return f" (exit code {code})"
+
+
+def task_output(ar: Any) -> str:
+    """Captured stdout/stderr of one rank's task (tail), if any."""
+    out = []
+    for name in ("stdout", "stderr"):
+        with contextlib.suppress(Exception):
+            text = getattr(ar, name)
+            if isinstance(text, list):
+                text = text[0] if text else ""
+            if text:
+                out.append(f"\n[{name}]\n" + _ANSI.sub("", text[-4000:]))
+    return "".join(out)

@@ -1,0 +1,173 @@
+"""What runs inside an engine (a rank): boot once, then one fresh process group per run.
+
+The driver (``tests.kit.cluster``) ships these functions by reference, so an engine imports
+this module and nothing of the driver. After a run the engine's interactive namespace holds
+what a person debugging the rank wants (``cluster.view(rank).pull(name)`` or ``%%px``):
+
+- ``_rank``: this engine's rank; ``_last_run``: the last run (function, rank, world size,
+  backend); ``_last_result``: what the rank function returned (absent if it raised);
+  ``_last_error`` / ``_last_traceback``: the exception it raised and its formatted text
+  (None on success); anything the rank function passed to :func:`keep`.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+IMPLEMENTATION_ENV = "HPKIT_IMPLEMENTATION"  # the implementation under test (see tests.kit.surface)
+
+_ENGINE_STATE: dict[str, Any] = {}
+
+
+def _user_ns() -> dict[str, Any]:
+    """The engine's interactive namespace (what %%px and DirectView.pull see)."""
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except ImportError:  # pragma: no cover - engines always have IPython
+        shell = None
+    if shell is not None:
+        return shell.user_ns
+    return sys.modules["__main__"].__dict__
+
+
+def keep(**objects: Any) -> None:
+    """Store objects in this engine's namespace so a person can inspect them after the run."""
+    _user_ns().update(objects)
+
+
+def _watch_parent(driver_pid: int) -> None:
+    """Engine thread: kill this engine's process group once the driver (our parent) is gone."""
+    while os.getppid() == driver_pid:
+        time.sleep(0.5)
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _stack_file(stack_dir: str) -> str:
+    """Route faulthandler (SIGUSR1 dumps and fatal signals) to a per-engine file; its path."""
+    path = _ENGINE_STATE.get("stack_path")
+    if path and os.path.exists(path):  # a second driver joining keeps the first's file
+        return path
+    os.makedirs(stack_dir, exist_ok=True)
+    path = os.path.join(stack_dir, f"engine-{os.getpid()}.txt")
+    stack_file = open(path, "a", buffering=1)  # stays open: faulthandler writes to its fd
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
+    faulthandler.enable(file=stack_file, all_threads=True)  # segfaults land here too
+    _ENGINE_STATE.update(stack_path=path, stack_file=stack_file)
+    return path
+
+
+def _set_implementation(implementation: str | None) -> None:
+    """Record the implementation under test for this engine; ``tests.kit.surface`` imports it
+    (its path first on ``sys.path``) the first time a case uses it."""
+    if implementation:
+        os.environ[IMPLEMENTATION_ENV] = implementation
+    else:
+        os.environ.pop(IMPLEMENTATION_ENV, None)
+
+
+def engine_boot(
+    rank: int, repo_root: str, stack_dir: str, driver_pid: int | None, implementation: str | None = None
+) -> dict:
+    """Prepare an engine once: repo and implementation on sys.path, stack dumps, watchdog, torch."""
+    if repo_root not in sys.path:
+        sys.path.insert(0, repo_root)
+    os.chdir(repo_root)
+    _set_implementation(implementation)
+    path = _stack_file(stack_dir)
+    if driver_pid and os.getppid() == driver_pid and not _ENGINE_STATE.get("watchdog"):
+        thread = threading.Thread(target=_watch_parent, args=(driver_pid,), name="hpkit-driver-watch", daemon=True)
+        thread.start()
+        _ENGINE_STATE["watchdog"] = thread
+    import torch  # warm-up: runs must not pay the import
+    import torch.distributed  # noqa: F401
+
+    _ENGINE_STATE["rank"] = rank
+    _user_ns()["_rank"] = rank
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "stack_path": path,
+        "main_thread": threading.main_thread().ident,
+        "implementation": os.environ.get(IMPLEMENTATION_ENV, ""),
+    }
+
+
+def current_implementation() -> str:
+    """The implementation spec this engine was booted with ('' = the repository's own)."""
+    return os.environ.get(IMPLEMENTATION_ENV, "")
+
+
+def _resolve_fn(ref: tuple[str, str]) -> Callable:
+    """Import module.qualname on the engine."""
+    module, qualname = ref
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _choose_backend(requested: str | None, world_size: int) -> str:
+    """nccl when the engine sees a GPU per rank (one GPU shared by two ranks is an nccl error), else gloo."""
+    import torch
+
+    if requested:
+        return requested
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+
+
+def rank_entry(rank: int, spec: dict, fn_obj: Callable | None, args: tuple, kwargs: dict) -> Any:
+    """Engine side of a run: join a fresh process group, call fn, always destroy the group."""
+    import torch
+    import torch.distributed as dist
+
+    ns = _user_ns()
+    world_size = spec["world_size"]
+    fn = fn_obj if fn_obj is not None else _resolve_fn(spec["fn_ref"])
+    ns.pop("_last_result", None)
+    ns["_last_error"] = ns["_last_traceback"] = None
+    ns["_rank"] = rank
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    backend = _choose_backend(spec["backend"], world_size)
+    ns["_last_run"] = {
+        "fn": spec["fn_name"],
+        "rank": rank,
+        "world_size": world_size,
+        "backend": backend,
+        "run": spec["prefix"],
+    }
+    if dist.is_initialized():  # left over from an interrupted run
+        dist.destroy_process_group()
+    timeout = timedelta(seconds=spec["timeout"])
+    try:
+        if backend == "nccl" and torch.cuda.device_count():
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        store = dist.TCPStore(spec["host"], spec["port"], is_master=False, timeout=timeout)
+        dist.init_process_group(
+            backend, store=dist.PrefixStore(spec["prefix"], store), rank=rank, world_size=world_size, timeout=timeout
+        )
+        torch.manual_seed(0)
+        result = fn(*args, **kwargs)
+    except BaseException as exc:
+        ns["_last_error"] = exc
+        ns["_last_traceback"] = traceback.format_exc()
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    ns["_last_result"] = result
+    return result
