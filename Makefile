@@ -4,7 +4,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup sweep bench test lint notebooks
+.PHONY: setup sweep bench test lint notebooks mutants conformance
 .DEFAULT_GOAL := test
 
 # torch 2.13.0 is pinned (constraints.txt): it is the CPU build on local disk.
@@ -20,6 +20,17 @@ sweep: setup
 # Re-record the committed notebooks' outputs (what nbval compares against).
 notebooks: setup
 	IPP_NONINTERACTIVE=1 $(PYTHON) notebooks/build.py --record
+
+# Every plan case against each implementation (ours, torch FSDP2, and upstream HyperParallel when
+# UPSTREAM=/path/to/hyper-parallel is given): runs/<timestamp>/conformance.html
+conformance: setup
+	IPP_NONINTERACTIVE=1 $(PYTHON) -m tests.kit.conformance --implementation ours= --implementation fsdp2=torch \
+		$(if $(UPSTREAM),--implementation upstream=upstream:$(UPSTREAM))
+
+# Mutation harness (never in `make test` or .ci/run): ONLY=03,07  SUITE=cases|engine|both  CASES=L1-03,L0-06
+mutants:
+	IPP_NONINTERACTIVE=1 $(PYTHON) -m tools.mutants $(if $(ONLY),--only $(ONLY)) $(if $(SUITE),--suite $(SUITE)) \
+		$(if $(CASES),--cases $(CASES)) $(MUTANTS_ARGS)
 
 bench:
 	$(PYTHON) benchmarks/bench_fsdp2.py

@@ -1,4 +1,4 @@
-"""Engine checkpoint tests: DCP save/load and full/sharded state dicts of a sharded model."""
+"""Engine state-dict tests the plan's L0-DCP does not cover. Rank bodies live in ``_ranks_checkpoint.py``."""
 
 from __future__ import annotations
 
@@ -9,13 +9,11 @@ from tests.engine import _ranks_checkpoint as ranks
 pytestmark = pytest.mark.engine
 
 
-def test_dcp_round_trip_fsdp(cluster):
-    cluster.run(ranks.dcp_round_trip, 2)
+def test_full_state_dict_round_trip(cluster):
+    """Full state dict via get/set_model_state_dict, state_dict() while unsharded; no plan case covers it."""
+    cluster.run(ranks.full_state_dict_round_trip, 2)
 
 
 def test_dcp_round_trip_hsdp(cluster):
-    cluster.run(ranks.dcp_round_trip, 4, mesh_shape=(2, 2))
-
-
-def test_full_state_dict_round_trip(cluster):
-    cluster.run(ranks.full_state_dict_round_trip, 2)
+    """L0-DCP's body on a 2x2 HSDP mesh; no plan case covers DCP on HSDP (L0-DCP is 1-D)."""
+    cluster.run(ranks.hsdp_dcp_round_trip, 4)

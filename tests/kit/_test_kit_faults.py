@@ -12,9 +12,7 @@ import torch.distributed as dist
 from tests.kit.case import CaseContext, case
 from tests.kit.models import MLP, rank_batch
 from tests.kit.reference import ddp_of
-from tests.kit.training import train_against
-
-FILE = "_test_kit_faults.py"
+from tests.kit.training import shard_nested, train_against
 
 
 @case("KIT-OK", "kit_passing_case", world_size=2, mesh={"dp": 2}, config="FSDP 1D fp32")
@@ -28,15 +26,11 @@ def passing(ctx: CaseContext) -> None:
 @case("KIT-WRONG-REF", "kit_wrong_reference", world_size=2, mesh={"dp": 2}, config="FSDP 1D fp32")
 def wrong_reference(ctx: CaseContext) -> None:
     """L0-01's training, against a DDP reference whose last bias is off by 1e-3: must fail."""
-    from tests.kit.api import fully_shard
-
     model = MLP((7, 13, 5, 3))
     ddp = ddp_of(model)
     with torch.no_grad():
         ddp.module.layers[2].bias.add_(1e-3)
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    shard_nested(model, model.layers)
     batches = [rank_batch(step, ctx.rank, (4, 7)) for step in range(2)]
     train_against(ctx, model, ddp, batches, lambda m, x: m(x).square().mean(), ctx.tol)
 

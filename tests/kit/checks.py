@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +67,7 @@ class CaseContext:
     # name -> {"ours": [...], "reference": [...]} per step, for the notebooks' plots
     series: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     kept: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # parts of the case that did not run, and why
     _meshes: dict[tuple, Any] = field(default_factory=dict, repr=False)
     _extra: str | None = field(default=None, repr=False)
 
@@ -141,6 +142,22 @@ class CaseContext:
         finally:
             self._extra = outer
 
+    def run_part(self, label: str, needs: tuple[str, ...], body: Callable[[], None]) -> None:
+        """Run one part of the case that needs plan features of its own. A part the implementation
+        lacks (not declared, or refused while running) is noted, not failed: the case still judges
+        the rest, and the verdict lists what did not run."""
+        missing = [n for n in needs if n not in impl.features]
+        if missing:
+            self.notes.append(f"{label}: not run, the implementation lacks {', '.join(missing)}")
+            return
+        try:
+            body()
+        except (NotImplementedError, TypeError) as exc:
+            feature = impl.refusal(exc)
+            if feature is None:
+                raise
+            self.notes.append(f"{label}: refused by the implementation ({feature})")
+
     def step(self, series: str, ours: Any, reference: Any) -> None:
         """Append one step of a curve (e.g. loss) for the plots; checks are separate."""
         entry = self.series.setdefault(series, {"ours": [], "reference": []})
@@ -164,15 +181,24 @@ class CaseContext:
 
     def result(self) -> dict[str, Any]:
         """What travels back to the driver: plain data only."""
-        return {"checks": [asdict(c) for c in self.checks], "series": self.series}
+        return {"checks": [asdict(c) for c in self.checks], "series": self.series, "notes": self.notes}
 
 
 class StrictChecks(CaseContext):
     """The same checks outside a case (engine tests): the first one that fails raises at once."""
 
-    def __init__(self, **mesh_dims: int) -> None:
+    def __init__(self, config: str = "FSDP 1D fp32", **mesh_dims: int) -> None:
+        """``config``: the precision-matrix row judging it (``.tol``); ``mesh_dims``: its mesh
+        (``StrictChecks("HSDP 2D fp32", replicate=2, shard=2)``; default: 1-D over the world)."""
+        tolerance(config)  # an unknown row fails here, before any collective
         super().__init__(case=None, rank=dist.get_rank(), world_size=dist.get_world_size())
+        self.config = config
         self._mesh_dims = mesh_dims or {"dp": dist.get_world_size()}
+
+    @property
+    def tol(self) -> Tolerance:
+        """The row of the precision matrix it was given."""
+        return tolerance(self.config)
 
     @property
     def mesh(self) -> Any:

@@ -1,7 +1,8 @@
 """Shared models and seeded data for cases and engine tests (built identically on every rank).
 
-Sizes are the plan's "simple MLP" scale: small enough for several CPU ranks on 2 cores, with
-odd dims so that sharding over 2 or 4 ranks needs padding.
+Sizes are the plan's "simple MLP" scale: small enough for several CPU ranks on 2 cores. ``DIMS``
+shard evenly over 2 and 4 ranks (so a case about another feature does not also need padding);
+``UNEVEN_DIMS`` have odd sizes and a layer with fewer rows than ranks, for the unevenness cases.
 """
 
 from __future__ import annotations
@@ -18,10 +19,17 @@ class SelfCastingLinear(nn.Linear):
         return super().forward(x.to(self.weight.dtype))
 
 
+# weights (16, 8), (12, 16), (4, 12): every row and column count divides by 2 and 4; the per-rank
+# shard sizes of every param and every layer differ, so a recorded all-gather names its layer
+DIMS = (8, 16, 12, 4)
+# 13 rows over 2 ranks: 7 + 6; over 4: 4 + 4 + 4 + 1; the last layer has 1 row, fewer than the ranks
+UNEVEN_DIMS = (7, 13, 5, 1)
+
+
 class MLP(nn.Module):
     """Linear+ReLU stack; ``layers`` are the natural units to shard one by one."""
 
-    def __init__(self, dims: tuple[int, ...] = (7, 13, 5, 3), seed: int = 1, self_casting: bool = False) -> None:
+    def __init__(self, dims: tuple[int, ...] = DIMS, seed: int = 1, self_casting: bool = False) -> None:
         super().__init__()
         torch.manual_seed(seed)
         linear = SelfCastingLinear if self_casting else nn.Linear

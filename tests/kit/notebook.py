@@ -108,6 +108,7 @@ def verdict_text(verdict: Verdict) -> str:
         lines.append("  unsupported: " + ", ".join(verdict.unsupported))
     if verdict.leak:
         lines.append("  " + verdict.leak)
+    lines.extend(f"  note: {note}" for note in verdict.notes)
     if verdict.failure:
         lines.append("  run failed: " + verdict.failure.splitlines()[0])
     for name, error, tol, seen, passed in _merged(verdict.checks):
@@ -172,6 +173,7 @@ def summarize(verdict: Verdict) -> dict[str, Any]:
         "first_failure": verdict.first_failure,
         "unsupported": verdict.unsupported,
         "leak": verdict.leak,
+        "notes": verdict.notes,
         "origin": verdict.origin,
         "failure": verdict.failure,
         "loss_error": loss_err,

@@ -33,6 +33,7 @@ class Verdict:
     origin: dict[str, Any] = field(default_factory=dict)  # what the ranks imported (surface origin)
     seconds: float = 0.0
     leak: str | None = None  # set when the case failed warm but passes alone on fresh engines
+    notes: list[str] = field(default_factory=list)  # parts of the case that did not run, and why
 
     @property
     def plan_checks(self) -> list[Check]:
@@ -100,6 +101,8 @@ class Verdict:
             if self.extra_checks:
                 bad = sum(not c.passed for c in self.extra_checks)
                 detail += f"; extras {len(self.extra_checks) - bad}/{len(self.extra_checks)}"
+            if self.notes:
+                detail += f"; {len(self.notes)} part(s) not run"
         where = f"[{self.case.world_size} ranks, {self.case.config}]"
         return f"{self.case.id} {self.case.name} {where}: {self.status} ({detail}, {self.seconds:.1f} s)"
 
@@ -108,6 +111,7 @@ class Verdict:
         parts = [self.summary()]
         if self.leak:
             parts.append(self.leak)
+        parts.extend(f"note: {note}" for note in self.notes)
         if self.checks:
             parts.append(self.table(only_failed=bool(self.failed_checks)))
         if self.failure:
@@ -194,6 +198,7 @@ def run_case(cluster: RankCluster, case_id: str, timeout: float | None = None, b
         verdict.series = results[0]["series"]
         verdict.unsupported = results[0]["unsupported"]
         verdict.origin = results[0]["origin"]
+        verdict.notes = results[0].get("notes", [])
     verdict.checks.sort(key=lambda c: (c.name, c.rank))
     verdict.seconds = time.monotonic() - started
     return verdict

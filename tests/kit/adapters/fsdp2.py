@@ -4,9 +4,14 @@ Translations only: the HyperParallel keywords FSDP2 does not have are refused wi
 ``NotImplementedError`` naming them (``replicate_params``, ``comm_fusion=False``, ``device``,
 ``apply_grad_on_fp32_main_grad``, a ``Replicate()`` from ``shard_placement_fn``), and
 ``set_reduce_op_type`` maps to FSDP2's gradient divide factor (``"sum"``: 1, ``"avg"``: the
-data-parallel world size, FSDP2's default). Features FSDP2 lacks are left out of ``features``:
-independent groups from a list input, replicated params, switching comm fusion off, fp32 main
-grads, ``Replicate()`` placements, and ``zero_grad`` of locally accumulated (unsynced) grads.
+data-parallel world size, FSDP2's default) with sum-only collectives (gloo has no PREMUL_SUM).
+
+Features FSDP2 lacks are left out of ``features``: independent groups from a list input,
+replicated params, switching comm fusion off, fp32 main grads, ``Replicate()`` placements,
+``zero_grad`` of locally accumulated (unsynced) grads, and ``set_requires_all_reduce(False)`` as
+the plan means it (HSDP grads reduce-scattered within the replica group and usable as they are:
+FSDP2 instead holds the partial result back and leaves ``.grad`` unset until an all-reducing
+backward, a gradient-accumulation device).
 """
 
 from __future__ import annotations
@@ -22,7 +27,15 @@ from torch.distributed.tensor import Replicate, Shard
 
 from tests.kit.surface import FEATURES, Implementation, Spec
 
-LACKING = {"list_input", "replicate_params", "comm_fusion", "main_grad", "placement_replicate", "zero_grad"}
+LACKING = {
+    "list_input",
+    "replicate_params",
+    "comm_fusion",
+    "main_grad",
+    "placement_replicate",
+    "zero_grad",
+    "all_reduce_control",
+}
 
 
 def MixedPrecisionPolicy(  # noqa: N802 - the API's class name
@@ -95,6 +108,7 @@ def _set_reduce_op_type(self: fsdp.FSDPModule, reduce_op_type: str, *, recurse: 
             params = list(module.parameters(recurse=False)) or list(module.parameters())
             world = math.prod(params[0].device_mesh.shape) if params else 1
             module.set_gradient_divide_factor(1.0 if reduce_op_type == "sum" else float(world))
+            module.set_force_sum_reduction_for_comms(True)
 
 
 class TorchFSDP2(Implementation):

@@ -172,12 +172,15 @@ class HSDPState:
     def _pre_forward(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if not _inside_backward():
+            # first: a backward that raised left its states (PRE_BACKWARD ones too) to forget, and
+            # forgetting after registering this forward would drop this group from the iteration
+            ITERATION.recover_if_abandoned()
         recomputing = self.training_state is TrainingState.PRE_BACKWARD or _inside_backward()
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             ITERATION.states_in_iteration[self] = None
         if not recomputing:
-            ITERATION.recover_if_abandoned()
             if self.is_root is None:
                 self._become_root()
             self.training_state = TrainingState.FORWARD

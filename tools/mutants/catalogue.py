@@ -1,0 +1,434 @@
+"""The mutant catalogue: bugs a developer of this engine could plausibly make, one exact edit each.
+
+Every mutant names the engine file it edits, the feature it breaks, the bug in one line, and the
+edit: ``find`` must occur exactly once in the file, and is replaced by ``replace``. A mutant that
+no test can kill says why in ``equivalent`` (one line); every other one must be killed by a plan
+case, and by the cases and engine tests together. Ids are two digits, in file order.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+API = "hyper_parallel/core/fully_shard/api.py"
+UTILS = "hyper_parallel/core/fully_shard/utils.py"
+_PLATFORM = "hyper_parallel/platform/torch/fully_shard/"
+MESH_INFO = _PLATFORM + "mesh_info.py"
+PARAM = _PLATFORM + "param.py"
+PARAM_GROUP = _PLATFORM + "param_group.py"
+COLLECTIVES = _PLATFORM + "collectives.py"
+STATE = _PLATFORM + "state.py"
+ENGINE_FILES = (API, UTILS, MESH_INFO, PARAM, PARAM_GROUP, COLLECTIVES, STATE)
+
+
+class MutantError(ValueError):
+    """A mutant that cannot be applied, or a selection naming no mutant."""
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One bug: where, which feature, what the developer got wrong, and the exact edit."""
+
+    id: str
+    file: str
+    feature: str
+    description: str
+    find: str
+    replace: str
+    equivalent: str = ""  # why no test can kill it; empty: it must be killed
+
+    def apply_to(self, text: str) -> str:
+        """``text`` with the edit made; ``MutantError`` unless ``find`` occurs exactly once."""
+        count = text.count(self.find)
+        if count != 1:
+            raise MutantError(f"mutant {self.id}: its find text occurs {count} times in {self.file}, must be once")
+        return text.replace(self.find, self.replace, 1)
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    # -- core/fully_shard/api.py ---------------------------------------------------------------
+    Mutant(
+        "01",
+        API,
+        "argument checks",
+        "the list's shared-parameter check runs after the modules are sharded: a refused list leaves "
+        "its modules sharded",
+        "    _check_disjoint(modules, plans)\n"
+        "    sharded = [\n"
+        "        _apply(m, plan, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion, "
+        "device, ignored)\n"
+        "        for m, plan in zip(modules, plans, strict=True)\n"
+        "    ]\n",
+        "    sharded = [\n"
+        "        _apply(m, plan, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion, "
+        "device, ignored)\n"
+        "        for m, plan in zip(modules, plans, strict=True)\n"
+        "    ]\n"
+        "    _check_disjoint(modules, plans)\n",
+    ),
+    Mutant(
+        "02",
+        API,
+        "HSDP all-reduce (recurse=False)",
+        "set_requires_all_reduce ignores recurse=False and switches every group below",
+        "        for group in self._groups(recurse):\n            group.requires_all_reduce = requires_all_reduce\n",
+        "        for group in self._groups():\n            group.requires_all_reduce = requires_all_reduce\n",
+    ),
+    Mutant(
+        "03",
+        API,
+        "zero_grad",
+        "HSDPModule.zero_grad clears only the groups' grads: ignored params keep theirs",
+        "        nn.Module.zero_grad(self, set_to_none)  # params the groups do not manage (ignored)\n",
+        "",
+    ),
+    Mutant(
+        "04",
+        API,
+        "unshard(async_op)",
+        "HSDPModule.unshard drops async_op: the gather always completes before unshard returns",
+        "            group.unshard(async_op=async_op)\n",
+        "            group.unshard()\n",
+        equivalent="the contract promises only that the params are usable after wait(); a gather already "
+        "done satisfies it, and the lost overlap is not observable",
+    ),
+    Mutant(
+        "05",
+        API,
+        "replicate params",
+        "replicate_params is honoured only when a shard_placement_fn is given too",
+        "    if is_replicated:\n"
+        "        return Replicate()\n"
+        "    placement = shard_placement_fn(param) if shard_placement_fn is not None else None\n",
+        "    placement = shard_placement_fn(param) if shard_placement_fn is not None else None\n"
+        "    if is_replicated and placement is not None:\n"
+        "        return Replicate()\n",
+    ),
+    Mutant(
+        "06",
+        API,
+        "last backward",
+        "set_is_last_backward sets the flag on this module's own state only, not on the groups below",
+        "        for state in self._hsdp_states():\n            state.is_last_backward = is_last_backward\n",
+        "        state_of(self).is_last_backward = is_last_backward\n",
+    ),
+    Mutant(
+        "07",
+        API,
+        "prefetch",
+        "set_modules_to_backward_prefetch stores the list reversed (backward order applied twice)",
+        '        state_of(self).backward_prefetch = _prefetch_states("modules", modules)\n',
+        '        state_of(self).backward_prefetch = _prefetch_states("modules", modules)[::-1]\n',
+    ),
+    # -- core/fully_shard/utils.py -------------------------------------------------------------
+    Mutant(
+        "08",
+        UTILS,
+        "argument checks",
+        "the policy's dtype check refuses complex dtypes only: integer dtypes are accepted",
+        "    if not value.is_floating_point:\n",
+        "    if value.is_complex:\n",
+    ),
+    Mutant(
+        "09",
+        UTILS,
+        "mixed precision input cast",
+        "cast_forward_inputs defaults to False",
+        "    cast_forward_inputs: bool = True\n",
+        "    cast_forward_inputs: bool = False\n",
+    ),
+    # -- platform/torch/fully_shard/mesh_info.py -----------------------------------------------
+    Mutant(
+        "10",
+        MESH_INFO,
+        "HSDP layout (rank offset)",
+        "on a 2-D mesh the shard rank is read from the replicate dim",
+        "        shard_rank=mesh.get_local_rank(1),\n",
+        "        shard_rank=mesh.get_local_rank(0),\n",
+    ),
+    Mutant(
+        "11",
+        MESH_INFO,
+        "HSDP all-reduce",
+        "the replicate all-reduce runs on the shard dim's group",
+        "        replicate_group=mesh.get_group(0),\n",
+        "        replicate_group=mesh.get_group(1),\n",
+    ),
+    Mutant(
+        "12",
+        MESH_INFO,
+        "HSDP layout",
+        "on a 2-D mesh the shard size is the whole mesh's size, not the shard dim's",
+        "        shard_size=mesh.size(1),\n",
+        "        shard_size=mesh.size(),\n",
+    ),
+    # -- platform/torch/fully_shard/param.py ---------------------------------------------------
+    Mutant(
+        "13",
+        PARAM,
+        "padding",
+        "shard rows rounded down (rows // world): the last rows of an uneven param are never sharded",
+        "        self.chunk = math.ceil(rows / world) if rows else 0\n",
+        "        self.chunk = rows // world\n",
+    ),
+    Mutant(
+        "14",
+        PARAM,
+        "rank offset",
+        "a rank's shard starts at rank x its own row count instead of rank x chunk",
+        "                start = min(rank * self.chunk, self.full_shape[self.dim])  # empty chunks at the end\n",
+        "                start = min(rank * self.rows_of(rank), self.full_shape[self.dim])"
+        "  # empty chunks at the end\n",
+    ),
+    Mutant(
+        "15",
+        PARAM,
+        "padding",
+        "the padding rows of the reduce-scatter input are left uninitialised instead of zeroed",
+        "            if rows < self.chunk:\n                chunk.narrow(self.dim, rows, self.chunk - rows).zero_()\n",
+        "",
+        equivalent="reduce-scatter and all-reduce are element-wise and shard_of_reduced drops the padded rows, "
+        "so what the padding holds never reaches a grad",
+    ),
+    Mutant(
+        "16",
+        PARAM,
+        "main grad",
+        "a reduction landing in an existing main grad (after optimizer.zero_grad) adds to its stale values",
+        "            main._local_tensor.copy_(reduced)\n",
+        "            main._local_tensor.add_(reduced)\n",
+    ),
+    Mutant(
+        "17",
+        PARAM,
+        "mixed precision accumulation",
+        "unsynced grads accumulate in the compute dtype instead of the reduce dtype",
+        "            self.unreduced_grad = grad if grad.dtype == self.reduce_dtype else grad.to(self.reduce_dtype)\n",
+        "            self.unreduced_grad = grad\n",
+    ),
+    Mutant(
+        "18",
+        PARAM,
+        "offload",
+        "CPU offload pins the shards even where the compute device is the CPU (no accelerator)",
+        '        self.pin_memory = offload_to_cpu is not None and offload_to_cpu.pin_memory and device.type != "cpu"\n',
+        "        self.pin_memory = offload_to_cpu is not None and offload_to_cpu.pin_memory\n",
+    ),
+    Mutant(
+        "19",
+        PARAM,
+        "grad accumulation (reductions)",
+        "a reduced grad overwrites param.grad instead of accumulating into it",
+        "            current._local_tensor.add_(reduced.to(self.shard_device))\n",
+        "            current._local_tensor.copy_(reduced.to(self.shard_device))\n",
+    ),
+    Mutant(
+        "20",
+        PARAM,
+        "mixed precision grad dtype",
+        "param.grad takes the reduce dtype instead of the sharded param's dtype",
+        "        target_dtype = torch.float32 if self.use_main_grad else self.orig_dtype\n",
+        "        target_dtype = torch.float32 if self.use_main_grad else reduced.dtype\n",
+    ),
+    Mutant(
+        "21",
+        PARAM,
+        "zero_grad",
+        "zero_grad keeps the locally accumulated (unsynced) grad",
+        "        self.unreduced_grad = None\n        self.unsharded_param.grad = None\n",
+        "        self.unsharded_param.grad = None\n",
+    ),
+    Mutant(
+        "22",
+        PARAM,
+        "zero_grad (main grad)",
+        "zero_grad leaves the fp32 main grad's values in place",
+        "        if main is not None:\n            main._local_tensor.zero_()\n",
+        "",
+    ),
+    Mutant(
+        "23",
+        PARAM,
+        "grad accumulation (no sync)",
+        "a no-sync backward replaces the unreduced grad instead of adding to it",
+        "            self.unreduced_grad.add_(grad)\n",
+        "            self.unreduced_grad = grad.to(self.reduce_dtype)\n",
+    ),
+    # -- platform/torch/fully_shard/param_group.py ---------------------------------------------
+    Mutant(
+        "24",
+        PARAM_GROUP,
+        "stale copy",
+        "unshard of a group kept unsharded does not check for shards changed by an optimizer step",
+        "        if self.state is ShardedState.UNSHARDED and self.is_stale:\n            self.reshard()\n",
+        "",
+    ),
+    Mutant(
+        "25",
+        PARAM_GROUP,
+        "reshard",
+        "reshard registers the sharded params but never frees the unsharded storage",
+        "            param.use_sharded()\n            param.free_unsharded()\n",
+        "            param.use_sharded()\n",
+    ),
+    Mutant(
+        "26",
+        PARAM_GROUP,
+        "reshard_after_backward",
+        "post-backward reshards whatever set_reshard_after_backward says",
+        "        if self.reshard_after_backward:\n            self.reshard()\n",
+        "        self.reshard()\n",
+    ),
+    Mutant(
+        "27",
+        PARAM_GROUP,
+        "unshard idempotence",
+        "unshard while an async gather is in flight starts another all-gather",
+        "        if self.state is not ShardedState.SHARDED:\n            return\n",
+        "        if self.state is ShardedState.UNSHARDED:\n            return\n",
+    ),
+    Mutant(
+        "28",
+        PARAM_GROUP,
+        "HSDP all-reduce",
+        "post-backward passes requires_gradient_sync where requires_all_reduce belongs",
+        "                        all_reduce_replicas=self.requires_all_reduce,\n",
+        "                        all_reduce_replicas=self.requires_gradient_sync,\n",
+    ),
+    # -- platform/torch/fully_shard/collectives.py ---------------------------------------------
+    Mutant(
+        "29",
+        COLLECTIVES,
+        "HSDP reduce op",
+        "the replicate all-reduce is issued without op=, so it sums: HSDP grads x replicas",
+        "                dist.all_reduce(output, op=self.op, group=self.mesh_info.replicate_group, async_op=True)\n",
+        "                dist.all_reduce(output, group=self.mesh_info.replicate_group, async_op=True)\n",
+    ),
+    Mutant(
+        "30",
+        COLLECTIVES,
+        "comm fusion (reduction)",
+        "the offset of each param in a fused reduce-scatter output is never advanced",
+        "                param.apply_reduced_grad(param.shard_of_reduced(output[offset : offset + numel]))\n"
+        "                offset += numel\n",
+        "                param.apply_reduced_grad(param.shard_of_reduced(output[offset : offset + numel]))\n",
+    ),
+    Mutant(
+        "31",
+        COLLECTIVES,
+        "reduce op",
+        "the reduce-scatter always averages: set_reduce_op_type('sum') reaches only the all-reduces",
+        "    work = _reduce_scatter_flat(recv, send, op, group)\n",
+        "    work = _reduce_scatter_flat(recv, send, dist.ReduceOp.AVG, group)\n",
+    ),
+    Mutant(
+        "32",
+        COLLECTIVES,
+        "mixed precision reduce dtype",
+        "reduce-scatter buffers in the compute dtype instead of the reduce dtype",
+        "    dtype, device, world = params[0].reduce_dtype, params[0].device, params[0].world\n",
+        "    dtype, device, world = params[0].param_dtype, params[0].device, params[0].world\n",
+    ),
+    Mutant(
+        "33",
+        COLLECTIVES,
+        "comm fusion (all-gather)",
+        "comm_fusion=False is ignored by the all-gather: groups of several params always gather fused",
+        "    if fused and len(sharded) > 1:\n",
+        "    if len(sharded) > 1:\n",
+    ),
+    Mutant(
+        "34",
+        COLLECTIVES,
+        "grad accumulation (reset)",
+        "the unreduced accumulator is not cleared once its reduction starts: the next backward adds to it",
+        "    for param in params:\n        param.unreduced_grad = None\n",
+        "",
+    ),
+    # -- platform/torch/fully_shard/state.py ---------------------------------------------------
+    Mutant(
+        "35",
+        STATE,
+        "root detection",
+        "the first forward marks only direct children non-root: sharded grandchildren become roots too",
+        "        for sub in self.module.modules():\n",
+        "        for sub in self.module.children():\n",
+    ),
+    Mutant(
+        "36",
+        STATE,
+        "recompute under AC",
+        "pre-forward skips the unshard while recomputing (a reentrant recompute sees the sharded params)",
+        "        if self.param_group is not None:\n"
+        "            self.param_group.unshard()\n"
+        "            self.param_group.wait_for_unshard()\n"
+        "            if grad_enabled:\n",
+        "        if self.param_group is not None and not recomputing:\n"
+        "            self.param_group.unshard()\n"
+        "            self.param_group.wait_for_unshard()\n"
+        "            if grad_enabled:\n",
+    ),
+    Mutant(
+        "37",
+        STATE,
+        "prefetch",
+        "pre-forward never acts on the forward prefetch list",
+        "        if not recomputing:\n"
+        "            for target in self.forward_prefetch:\n"
+        "                target.prefetch()\n",
+        "",
+    ),
+    Mutant(
+        "38",
+        STATE,
+        "mixed precision input cast",
+        "only top-level positional tensors are cast: nested containers and kwargs keep their dtype",
+        "            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)\n",
+        "            args = tuple(_cast_floating(a, self.mp_policy.param_dtype) if isinstance(a, torch.Tensor) else a"
+        " for a in args)\n",
+    ),
+    Mutant(
+        "39",
+        STATE,
+        "mixed precision output cast",
+        "forward outputs are never cast to output_dtype",
+        "        output = _cast_floating(output, self.mp_policy.output_dtype)\n",
+        "",
+    ),
+    Mutant(
+        "40",
+        STATE,
+        "reshard_after_forward default",
+        "reshard_after_forward=None reshards the root after forward too",
+        "            return not self.is_root  # the root's params are needed first in backward anyway\n",
+        "            return True\n",
+    ),
+)
+
+
+def by_id() -> dict[str, Mutant]:
+    """The catalogue keyed by mutant id."""
+    return {m.id: m for m in MUTANTS}
+
+
+def _ids_of(token: str) -> list[str]:
+    """``"3"`` -> ``["03"]``; ``"03-05"`` -> ``["03", "04", "05"]``."""
+    match = re.fullmatch(r"(\d+)(?:-(\d+))?", token.strip())
+    if not match:
+        raise MutantError(f"bad mutant id {token!r}: want NN or NN-MM")
+    first = int(match.group(1))
+    last = int(match.group(2) or first)
+    return [f"{n:02d}" for n in range(first, last + 1)]
+
+
+def select(only: str | None) -> list[Mutant]:
+    """The mutants named by ``only`` (``"03,07"``, ``"10-12"``; None or empty: all), in id order."""
+    if not only:
+        return list(MUTANTS)
+    known = by_id()
+    wanted = sorted({i for token in only.split(",") if token.strip() for i in _ids_of(token)})
+    unknown = [i for i in wanted if i not in known]
+    if unknown:
+        raise MutantError(f"unknown mutant id(s) {unknown}; known: {MUTANTS[0].id}..{MUTANTS[-1].id}")
+    return [known[i] for i in wanted]
