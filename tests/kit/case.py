@@ -9,9 +9,11 @@ records checks through ``ctx`` (``tests.kit.checks``).
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +24,17 @@ from tests.kit.levels import KIT_LEVEL, LEVELS
 from tests.kit.surface import FEATURES, current
 from tests.kit.tolerances import tolerance
 
-__all__ = ["Case", "CaseContext", "Check", "REGISTRY", "case", "run_on_rank", "ImplementationRefused"]
+__all__ = [
+    "Case",
+    "CaseContext",
+    "Check",
+    "REGISTRY",
+    "case",
+    "case_by_id",
+    "load_plan_cases",
+    "run_on_rank",
+    "ImplementationRefused",
+]
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,25 @@ class Case:
 
 
 REGISTRY: dict[str, Case] = {}
+PLAN_DIR = Path(__file__).resolve().parents[1] / "torch" / "fully_shard"
+PLAN_PACKAGE = "tests.torch.fully_shard"
+
+
+def load_plan_cases() -> dict[str, Case]:
+    """Import every plan file (``_test_*.py``) so its cases register; return the registry."""
+    for path in sorted(PLAN_DIR.glob("_test_*.py")):
+        importlib.import_module(f"{PLAN_PACKAGE}.{path.stem}")
+    return REGISTRY
+
+
+def case_by_id(case_id: str) -> Case:
+    """A registered case (plan files are imported when it is not registered yet)."""
+    if case_id not in REGISTRY:
+        load_plan_cases()
+    try:
+        return REGISTRY[case_id]
+    except KeyError:
+        raise KeyError(f"no case {case_id!r}; known: {sorted(REGISTRY)}") from None
 
 
 def case(
@@ -103,8 +134,6 @@ def run_on_rank(case_id: str, module: str) -> dict[str, Any]:
     Features the implementation does not declare make the case UNSUPPORTED before it runs;
     a refusal while it runs (NotImplementedError inside the implementation, an unknown
     keyword) is raised again as ``ImplementationRefused`` naming the feature."""
-    import importlib
-
     importlib.import_module(module)  # registers the case on this engine
     spec = REGISTRY[case_id]
     implementation = current()

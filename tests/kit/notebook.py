@@ -10,28 +10,17 @@ matches while every check passes, and differs (``FAIL``) as soon as one does not
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from tests.kit.case import REGISTRY, Case, Check
+from tests.kit.case import Case, Check, load_plan_cases
 from tests.kit.cluster import RankCluster
 from tests.kit.levels import LEVELS
 from tests.kit.surface import parse_spec
 from tests.kit.verdict import Verdict, judge_case
-
-PLAN_DIR = Path(__file__).resolve().parents[1] / "torch" / "fully_shard"
-PLAN_PACKAGE = "tests.torch.fully_shard"
-
-
-def load_plan_cases() -> dict[str, Case]:
-    """Import every plan file (``_test_*.py``) so its cases register; return the registry."""
-    for path in sorted(PLAN_DIR.glob("_test_*.py")):
-        importlib.import_module(f"{PLAN_PACKAGE}.{path.stem}")
-    return REGISTRY
 
 
 def select_cases(level: str, cases: str | Iterable[str] = "all") -> list[Case]:

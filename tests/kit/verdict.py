@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.kit.case import REGISTRY, Case, Check, ImplementationRefused, run_on_rank
+from tests.kit.case import Case, Check, ImplementationRefused, case_by_id, run_on_rank
 from tests.kit.cluster import RankCluster, RankFailure
 
 STATUSES = ("PASS", "FAIL", "UNSUPPORTED", "ERROR", "TIMEOUT", "DIED")
@@ -178,7 +178,7 @@ def run_case(cluster: RankCluster, case_id: str, timeout: float | None = None, b
     """Run one registered case on the cluster's first ``world_size`` engines and judge it.
 
     ``timeout`` / ``backend`` override the case's own (None: keep them; backend None = auto)."""
-    spec = REGISTRY[case_id]
+    spec = case_by_id(case_id)
     verdict = Verdict(spec)
     started = time.monotonic()
     try:

@@ -402,8 +402,7 @@ def plan_cases(repo: Path) -> dict[str, tuple[str, str]]:
     if str(repo) not in sys.path:
         sys.path.insert(0, str(repo))
     try:
-        from tests.kit.case import LEVELS
-        from tests.kit.notebook import load_plan_cases
+        from tests.kit.case import LEVELS, load_plan_cases
 
         registry = load_plan_cases()
     except Exception as exc:  # noqa: BLE001 - the matrix then shows test names instead of ids
