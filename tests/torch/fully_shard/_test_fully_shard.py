@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -18,11 +18,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from tests.kit.case import CaseContext, case
 from tests.kit.checks import device_type
 from tests.kit.layout import local_numels_after_forward, padded_shard_numel, shard_shape
-from tests.kit.models import MLP, FeedForwardStack, rank_batch, rank_batches
+from tests.kit.models import DIMS, MLP, UNEVEN_DIMS, FeedForwardStack, rank_batch, rank_batches
 from tests.kit.recorder import CollectiveRecorder
-from tests.kit.reference import ddp_of, full
+from tests.kit.reference import SameDtypeReference, ddp_of, full
 from tests.kit.surface import impl
-from tests.kit.tolerances import tolerance
+from tests.kit.tolerances import Tolerance, tolerance
 from tests.kit.training import (
     differs_across_ranks,
     named_params,
@@ -31,10 +31,6 @@ from tests.kit.training import (
     square_mean,
     train_against,
 )
-
-DIMS = (7, 13, 5, 3)
-# 13 rows over 2 ranks: 7 + 6; the last layer has 1 row, fewer than the ranks: rank 1 holds none
-UNEVEN_DIMS = (7, 13, 5, 1)
 
 
 @case(
@@ -92,42 +88,88 @@ def explicit_mesh_nested(ctx: CaseContext) -> None:
                 ctx.equal(f"{label} step {step} after forward: local numel {name}", numel, want[name])
 
 
+def _uneven_part(
+    ctx: CaseContext,
+    label: str,
+    mesh: Any,
+    tol: Tolerance,
+    placement: Callable[[nn.Parameter], Any] | None = None,
+    dtype: torch.dtype | None = None,
+    **options: Any,
+) -> None:
+    """Shard the uneven MLP one way; local shapes follow torch.chunk on the sharded dim of the mesh's
+    shard dim, and two Adam steps equal the baseline (DDP; same-dtype reference under bf16)."""
+    model = MLP(UNEVEN_DIMS)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    dims = {name: placement(p).dim if placement else 0 for name, p in model.named_parameters()}
+    world = impl.mesh_shape(mesh)[-1]
+    shard_rank = ctx.rank % world  # row-major mesh: the shard dim is the last
+    ctx.require(
+        f"{label}: some sharded dim does not divide by the ranks, one is smaller than the ranks",
+        any(shapes[n][dims[n]] % world for n in shapes) and any(shapes[n][dims[n]] < world for n in shapes),
+    )
+    if dtype is None:
+        reference: Any = ddp_of(model)
+    else:
+        reference = SameDtypeReference(model, dtype, torch.float32)
+        options["mp_policy"] = impl.MixedPrecisionPolicy(dtype, torch.float32)
+    shard_nested(model, model.layers, mesh=mesh, shard_placement_fn=placement, **options)
+    for name, param in model.named_parameters():
+        expected = shard_shape(shapes[name], world, shard_rank, dims[name])
+        ctx.equal(f"{label}: local shard shape {name}", str(tuple(impl.local(param).shape)), str(expected))
+    batches = rank_batches(ctx.rank, (4, UNEVEN_DIMS[0]))
+    recorders: list[CollectiveRecorder] = []
+    train_against(ctx, model, reference, batches, square_mean, tol, label=label, recorders=recorders)
+    if options.get("comm_fusion", True) and placement is None and dtype is None:
+        with ctx.extra("our engine pads each shard to ceil(rows / ranks) rows in one fused collective per group"):
+            padded = sorted(padded_shard_numel(layer, world) for layer in MLP(UNEVEN_DIMS).layers)
+            for step, rec in enumerate(recorders):
+                sent = sorted({c.numel for c in rec.of("all_gather")})
+                ctx.equal(f"{label} step {step} all-gather sizes", str(sent), str(padded))
+                scattered = sorted({c.numel for c in rec.of("reduce_scatter")})
+                ctx.equal(f"{label} step {step} reduce-scatter sizes", str(scattered), str([world * n for n in padded]))
+
+
 @case(
     "L0-03",
     "test_fully_shard_uneven_shapes",
-    world_size=2,
-    mesh={"dp": 2},
-    config="FSDP 1D fp32", needs=("uneven",),
+    world_size=4,
+    mesh={"dp": 4},
+    config="FSDP 1D fp32",
+    needs=("uneven",),
 )
 def uneven_shapes(ctx: CaseContext) -> None:
-    """Odd dims and fewer rows than ranks: shards follow torch.chunk, every rank sends shards padded
-    to equal size, and training equals DDP."""
-    world = ctx.world_size
-    model = MLP(UNEVEN_DIMS)
-    full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    ctx.require("some param's rows do not divide by the ranks", any(s[0] % world for s in full_shapes.values()))
-    ctx.require("some param has fewer rows than ranks", any(s[0] < world for s in full_shapes.values()))
-    padded = sorted(padded_shard_numel(layer, world) for layer in model.layers)
-    ddp = ddp_of(model)
-    shard_nested(model, model.layers, mesh=ctx.mesh)
-
-    for name, param in model.named_parameters():
-        ctx.equal(
-            f"local shard shape {name}",
-            str(tuple(impl.local(param).shape)),
-            str(shard_shape(full_shapes[name], world, ctx.rank)),
-        )
-    recorders: list[CollectiveRecorder] = []
-    train_against(
-        ctx, model, ddp, rank_batches(ctx.rank, (4, UNEVEN_DIMS[0])), square_mean, ctx.tol, recorders=recorders
+    """Odd dims and fewer rows than ranks, under every option that pads differently: fused and
+    unfused collectives, Shard(1), HSDP and bf16 mixed precision. Shards follow torch.chunk (the
+    last ranks' shorter or empty) and every variant trains like its baseline. A variant whose
+    option the implementation lacks is noted, the others still judge unevenness."""
+    fp32 = ctx.tol
+    ctx.run_part("fused over 4 ranks", (), lambda: _uneven_part(ctx, "fused", ctx.mesh, fp32))
+    ctx.run_part(
+        "unfused over 4 ranks",
+        ("comm_fusion",),
+        lambda: _uneven_part(ctx, "unfused", ctx.mesh, fp32, comm_fusion=False),
     )
-    for step, rec in enumerate(recorders):
-        sent = sorted({c.numel for c in rec.of("all_gather")})
-        ctx.equal(f"step {step} all-gather sizes: shards padded to ceil(rows / ranks)", str(sent), str(padded))
-        scattered = sorted({c.numel for c in rec.of("reduce_scatter")})
-        ctx.equal(
-            f"step {step} reduce-scatter sizes: ranks x padded shard", str(scattered), str([world * n for n in padded])
-        )
+    ctx.run_part(
+        "Shard(1) over 4 ranks",
+        ("shard_placement_fn",),
+        lambda: _uneven_part(ctx, "Shard(1)", ctx.mesh, fp32, placement=_shard_cols),
+    )
+    ctx.run_part(
+        "HSDP 2 x 2",
+        ("hsdp",),
+        lambda: _uneven_part(ctx, "HSDP", ctx.mesh_of(replicate=2, shard=2), tolerance("HSDP 2D fp32")),
+    )
+    ctx.run_part(
+        "bf16 / fp32 reduce",
+        ("mixed_precision",),
+        lambda: _uneven_part(ctx, "bf16", ctx.mesh, tolerance("FSDP 1D bf16"), dtype=torch.bfloat16),
+    )
+
+
+def _shard_cols(param: nn.Parameter) -> Any:
+    """Weights by columns (7, 13 and 5 of them: uneven over 4), biases by rows."""
+    return impl.Shard(1) if param.ndim == 2 else impl.Shard(0)
 
 
 @case(
@@ -138,28 +180,36 @@ def uneven_shapes(ctx: CaseContext) -> None:
     config="FSDP 1D fp32", needs=("cpu_offload",),
 )
 def cpu_offload(ctx: CaseContext) -> None:
-    """CPUOffloadPolicy keeps sharded params, grads and optimizer state on the CPU (pinned only where
-    an accelerator exists) and trains like DDP. On a CPU-only host the compute device is the CPU too."""
-    mesh = ctx.mesh
-    policy = impl.CPUOffloadPolicy()
+    """CPUOffloadPolicy keeps sharded params, grads and optimizer state on the CPU (pinned where an
+    accelerator exists) and trains like DDP. On a CPU-only host the compute device is the CPU too,
+    and pinning is asked for only where it can exist; that the default pin_memory=True is taken
+    as no pinning on such a host is our engine's promise, checked apart."""
+    accelerator = device_type() != "cpu"
+    _offload_trains_like_ddp(ctx, "", impl.CPUOffloadPolicy(pin_memory=accelerator), pinned=accelerator)
+    if not accelerator:
+        with ctx.extra("the default pin_memory=True skips pinning on a CPU-only host"):
+            _offload_trains_like_ddp(ctx, "default policy", impl.CPUOffloadPolicy(), pinned=False)
+
+
+def _offload_trains_like_ddp(ctx: CaseContext, label: str, policy: Any, pinned: bool) -> None:
+    """Shards, grads and optimizer state on the CPU; two Adam steps equal DDP."""
     model = MLP(DIMS)
     ddp = ddp_of(model)
-    shard_nested(model, model.layers, mesh=mesh, offload_policy=policy)
-    pinned = policy.pin_memory and device_type() != "cpu"
+    shard_nested(model, model.layers, mesh=ctx.mesh, offload_policy=policy)
+    prefix = f"{label}: " if label else ""
 
     for name, param in model.named_parameters():
-        ctx.equal(f"shard device {name}", impl.local(param).device.type, "cpu")
-        ctx.equal(f"shard pinned {name}", impl.local(param).is_pinned(), pinned)
+        ctx.equal(f"{prefix}shard device {name}", impl.local(param).device.type, "cpu")
+        ctx.equal(f"{prefix}shard pinned {name}", impl.local(param).is_pinned(), pinned)
 
     def grads_on_cpu(step: int) -> None:
         for name, param in model.named_parameters():
-            ctx.equal(f"step {step} grad device {name}", impl.local(param.grad).device.type, "cpu")
+            ctx.equal(f"{prefix}step {step} grad device {name}", impl.local(param.grad).device.type, "cpu")
 
-    opt, _ = train_against(
-        ctx, model, ddp, rank_batches(ctx.rank, (4, DIMS[0])), square_mean, ctx.tol, after_backward=grads_on_cpu
-    )
+    batches = rank_batches(ctx.rank, (4, DIMS[0]))
+    opt, _ = train_against(ctx, model, ddp, batches, square_mean, ctx.tol, label=label, after_backward=grads_on_cpu)
     devices = {v.device.type for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)}
-    ctx.equal("optimizer state devices", str(sorted(devices)), str(["cpu"]))
+    ctx.equal(f"{prefix}optimizer state devices", str(sorted(devices)), str(["cpu"]))
 
 
 def _same_as_rank0(ctx: CaseContext, name: str, tensor: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ from tests.kit.layout import (
     numels,
     padded_shard_numel,
 )
-from tests.kit.models import MLP, rank_batch, rank_batches
+from tests.kit.models import DIMS, MLP, rank_batch, rank_batches
 from tests.kit.recorder import CollectiveRecorder, record_collectives
 from tests.kit.reference import ddp_of, full, gather_from
 from tests.kit.surface import impl
@@ -35,7 +35,6 @@ from tests.kit.training import (
     train_against,
 )
 
-DIMS = (7, 13, 5, 3)
 MICRO_BATCHES = 2
 
 
@@ -57,7 +56,6 @@ def requires_gradient_sync(ctx: CaseContext) -> None:
     model = MLP(DIMS)
     ddp = ddp_of(model)
     shard_nested(model, model.layers, mesh=ctx.mesh)
-    groups = len(model.layers)  # the root holds no params of its own
     step_batches = _micro_batches(ctx.rank)
     # equal rank data would hide a sync that reduced only the last micro-batch
     ctx.require("ranks' micro-batches differ", differs_across_ranks(step_batches[0][0]))
@@ -66,7 +64,8 @@ def requires_gradient_sync(ctx: CaseContext) -> None:
         syncing = micro == MICRO_BATCHES - 1
         where = f"step {step} micro {micro} sync {'on' if syncing else 'off'}"
         if syncing:
-            ctx.equal(f"{where}: reduce-scatters", len(rec.of("reduce_scatter")), groups)
+            issued = len(rec.of("reduce_scatter"))
+            ctx.true(f"{where}: reduce-scatters issued", issued > 0, issued, "> 0")
         else:
             ctx.equal(f"{where}: reductions", len(rec.of("reduce_scatter")) + len(rec.of("all_reduce")), 0)
 
@@ -82,38 +81,68 @@ def requires_gradient_sync(ctx: CaseContext) -> None:
     )
 
 
+def _layer_of_gather(model: MLP, world: int) -> dict[int, int]:
+    """All-gather element count -> the layer it gathers, whether an implementation gathers a layer
+    in one collective (its params' padded shards back to back) or one per param."""
+    owners: dict[int, set[int]] = {}
+    for i, layer in enumerate(model.layers):
+        per_param = [padded_shard_numel([p], world) for p in layer.parameters()]
+        for numel in [padded_shard_numel(layer, world), *per_param]:
+            owners.setdefault(numel, set()).add(i)
+    # a size two layers share would be ambiguous: -1
+    return {numel: min(layers) if len(layers) == 1 else -1 for numel, layers in owners.items()}
+
+
+def _gathered_layers(rec: CollectiveRecorder, layer_of: dict[int, int]) -> list[int | None]:
+    """The layers gathered, in issue order (consecutive gathers of one layer counted once)."""
+    order: list[int | None] = []
+    for call in rec.of("all_gather"):
+        layer = layer_of.get(call.numel)
+        if not order or order[-1] != layer:
+            order.append(layer)
+    return order
+
+
 def _prefetch_lists_order_gathers(ctx: CaseContext, mesh) -> None:
     model = MLP(DIMS)
     ddp = ddp_of(model)
-    layers = len(model.layers)
-    layer_of_size = {padded_shard_numel(layer, ctx.world_size): i for i, layer in enumerate(model.layers)}
-    ctx.require("layers differ in all-gather size (gathers can be told apart)", len(layer_of_size) == layers)
+    layer_of = _layer_of_gather(model, ctx.world_size)
+    ctx.require("every layer's gathers have sizes of their own", -1 not in layer_of.values(), str(layer_of))
     first, middle, last = shard_nested(model, model.layers, mesh=mesh).layers
     # natural orders: forward 0, 1, 2 and backward 2, 1, 0; the lists ask for 0, 2, 1 and 2, 0, 1
     first.set_modules_to_forward_prefetch([last, middle])
     last.set_modules_to_backward_prefetch([first, middle])
-    recorders: list[CollectiveRecorder] = []
+    phases: list[tuple[CollectiveRecorder, CollectiveRecorder]] = []
+
+    def forward_then_backward(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        with record_collectives() as forward:
+            loss = square_mean(module, batch)
+        with record_collectives() as backward:
+            loss.backward()
+        phases.append((forward, backward))
+        return loss
 
     batches = rank_batches(ctx.rank, (4, DIMS[0]))
-    train_against(ctx, model, ddp, batches, square_mean, ctx.tol, label="prefetch", recorders=recorders)
-    for step, rec in enumerate(recorders):
-        order = [layer_of_size.get(c.numel) for c in rec.of("all_gather")]
-        ctx.equal(f"prefetch step {step} forward all-gather order", str(order[:layers]), str([0, 2, 1]))
-        ctx.equal(f"prefetch step {step} backward all-gather order", str(order[layers:]), str([2, 0, 1]))
+    train_against(ctx, model, ddp, batches, square_mean, ctx.tol, label="prefetch", model_step=forward_then_backward)
+    for step, (forward, backward) in enumerate(phases):
+        where = f"prefetch step {step}"
+        ctx.equal(f"{where} forward all-gather order", str(_gathered_layers(forward, layer_of)), "[0, 2, 1]")
+        ctx.equal(f"{where} backward all-gather order", str(_gathered_layers(backward, layer_of)), "[2, 0, 1]")
 
 
 def _not_last_backward_defers_reductions(ctx: CaseContext, mesh) -> None:
     model = MLP(DIMS)
     ddp = ddp_of(model)
     shard_nested(model, model.layers, mesh=mesh)
-    groups = len(model.layers)  # the root holds no params of its own
 
     def deferred(step: int, micro: int, rec: CollectiveRecorder) -> None:
         if micro == MICRO_BATCHES - 1:
             return
         where = f"deferred step {step} micro {micro}"
-        ctx.equal(f"{where}: reduce-scatters issued", len(rec.of("reduce_scatter")), groups)
-        ctx.equal(f"{where}: grads landed", sum(p.grad is not None for p in model.parameters()), 0)
+        issued = len(rec.of("reduce_scatter"))
+        ctx.true(f"{where}: reductions issued (sync is on)", issued > 0, issued, "> 0")
+        with ctx.extra("our engine leaves the reductions of a non-last backward in flight"):
+            ctx.equal(f"{where}: grads landed", sum(p.grad is not None for p in model.parameters()), 0)
 
     train_accumulating_against(
         ctx,
@@ -171,8 +200,10 @@ def _reshard_all(model: nn.Module) -> None:
 def dynamic_reshard_control(ctx: CaseContext) -> None:
     """set_reshard_after_forward / set_reshard_after_backward, toggled off and back on between
     steps, decide whether forward / backward leave every managed param unsharded (full numel) or
-    sharded (shard numel); toggling raises nothing and every step trains like DDP (also the step
-    after params were kept unsharded through an optimizer step)."""
+    sharded (shard numel); toggling raises nothing and every step trains like DDP. Params kept
+    unsharded after backward are resharded by the user (``reshard()``) before the optimizer steps
+    the shards. Beyond the plan (extra): our engine also notices an optimizer step made kept
+    unsharded params stale, without that reshard."""
     model = MLP(DIMS)
     ddp = ddp_of(model)
     full_numel, shard_numel = numels(model, ctx.world_size, ctx.rank)
@@ -198,10 +229,27 @@ def dynamic_reshard_control(ctx: CaseContext) -> None:
         want = shard_numel if backward else full_numel
         where = f"step {step} reshard_after_backward={backward}: after backward"
         _record_numels(ctx, where, model, want, full_numel)
-        # kept unsharded, they go through the optimizer step stale: the next forward must notice
+        if not backward:  # the optimizer steps the shards: drop the unsharded copies first
+            _reshard_all(model)
 
     batches = rank_batches(ctx.rank, (4, DIMS[0]), steps=len(RESHARD_PLAN))
     train_against(ctx, model, ddp, batches, square_mean, ctx.tol, before_step=toggle, after_backward=layouts)
+    with ctx.extra("a forward after an optimizer step regathers params kept unsharded through it"):
+        _stale_copies_noticed(ctx)
+
+
+def _stale_copies_noticed(ctx: CaseContext) -> None:
+    """Backward keeps the params unsharded, the optimizer steps the shards, and the next step
+    (resharding again) still trains like DDP: the stale unsharded copies were not used."""
+    model = MLP(DIMS)
+    ddp = ddp_of(model)
+    shard_nested(model, model.layers[:2], mesh=ctx.mesh)
+
+    def keep_then_reshard(step: int) -> None:
+        model.set_reshard_after_backward(step != 0)
+
+    batches = rank_batches(ctx.rank, (4, DIMS[0]), steps=2, first=70)
+    train_against(ctx, model, ddp, batches, square_mean, ctx.tol, label="stale copies", before_step=keep_then_reshard)
 
 
 @case(
@@ -221,7 +269,6 @@ def set_requires_all_reduce(ctx: CaseContext) -> None:
     replicas, shards = impl.process_group(mesh, "replicate"), impl.process_group(mesh, "shard")
     me = impl.local_rank(mesh, "replicate")
     agree, tol = specific("replica agreement"), ctx.tol
-    groups = 3  # layers 0 and 1 on their own, the root's group (layer 2)
     batches = rank_batches(ctx.rank, (4, DIMS[0]))
     ctx.require("the replica groups' batches differ", differs_across_ranks(batches[0], replicas))
 
@@ -230,16 +277,23 @@ def set_requires_all_reduce(ctx: CaseContext) -> None:
         gathered = gather_from(impl.local(grad), replicas)
         return gathered[me], gathered[1 - me]
 
-    def replicas_agree(label: str, model: nn.Module, names: Iterable[str]) -> None:
+    def grads_present(label: str, model: nn.Module, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The grads of ``names``; a missing one is a failed check (every rank misses the same ones)."""
         params = named_params(model)
+        present = {name: params[name].grad for name in names if params[name].grad is not None}
         for name in names:
-            mine, theirs = mine_and_peers(params[name].grad)
+            if name not in present:
+                ctx.true(f"{label} grad {name} present after backward", False, "None", "a grad")
+        return present
+
+    def replicas_agree(label: str, model: nn.Module, names: Iterable[str]) -> None:
+        for name, grad in grads_present(label, model, names).items():
+            mine, theirs = mine_and_peers(grad)
             ctx.close(f"{label} grad {name}: replica groups agree", mine, theirs, agree)
 
     def replicas_differ(label: str, model: nn.Module, names: Iterable[str]) -> None:
-        params = named_params(model)
-        for name in names:
-            mine, theirs = mine_and_peers(params[name].grad)
+        for name, grad in grads_present(label, model, names).items():
+            mine, theirs = mine_and_peers(grad)
             gap = (mine - theirs).abs().max().item()
             ctx.true(f"{label} grad {name}: replica groups differ", gap > agree, gap, f"> {agree}")
 
@@ -266,8 +320,7 @@ def set_requires_all_reduce(ctx: CaseContext) -> None:
         after_backward=lambda step: replicas_agree(f"all-reduce on step {step}", model, names),
     )
     for step, rec in enumerate(recorders):
-        ctx.equal(f"all-reduce on step {step}: reduce-scatters", len(rec.of("reduce_scatter")), groups)
-        ctx.equal(f"all-reduce on step {step}: all-reduces over the replicas", len(rec.of("all_reduce")), groups)
+        _reductions(ctx, f"all-reduce on step {step}", rec, all_reduces=True)
 
     # off: each replica group trains as FSDP over its own 2 ranks
     model, replica_ddp = build(), ddp_of(template, process_group=shards)
@@ -285,8 +338,7 @@ def set_requires_all_reduce(ctx: CaseContext) -> None:
         after_backward=lambda step: replicas_differ(f"all-reduce off step {step}", model, names),
     )
     for step, rec in enumerate(recorders):
-        ctx.equal(f"all-reduce off step {step}: reduce-scatters", len(rec.of("reduce_scatter")), groups)
-        ctx.equal(f"all-reduce off step {step}: all-reduces", len(rec.of("all_reduce")), 0)
+        _reductions(ctx, f"all-reduce off step {step}", rec, all_reduces=False)
 
     # recurse=False on the root: its own group (layer 2) off, the children's on
     model, ddp, replica_ddp = build(), ddp_of(template), ddp_of(template, process_group=shards)
@@ -296,12 +348,24 @@ def set_requires_all_reduce(ctx: CaseContext) -> None:
         square_mean(model, batches[0]).backward()
     for reference in (ddp, replica_ddp):
         square_mean(reference, batches[0]).backward()
-    ctx.equal(f"{label}: all-reduces (the children's groups only)", len(rec.of("all_reduce")), groups - 1)
+    _reductions(ctx, f"{label} (the children's groups)", rec, all_reduces=True)
     children = [n for n in names if n not in ROOT_OWN]
     replicas_differ(label, model, ROOT_OWN)
     replicas_agree(label, model, children)
     record_grads(ctx, f"{label} root's own vs DDP over the replica group", model, replica_ddp, tol.grad, ROOT_OWN)
     record_grads(ctx, f"{label} children's vs DDP over all ranks", model, ddp, tol.grad, children)
+
+
+def _reductions(ctx: CaseContext, where: str, rec: CollectiveRecorder, all_reduces: bool) -> None:
+    """Reduce-scatters over the shard dim ran; all-reduces over the replicate dim (2 ranks) ran or not."""
+    scatters, reduces = rec.of("reduce_scatter"), rec.of("all_reduce")
+    ctx.true(f"{where}: reduce-scatters over the shard dim", len(scatters) > 0, len(scatters), "> 0")
+    if all_reduces:
+        ctx.true(f"{where}: all-reduces", len(reduces) > 0, len(reduces), "> 0")
+        sizes = sorted({c.group_size for c in reduces})
+        ctx.equal(f"{where}: all-reduce group sizes (the replicate dim)", str(sizes), "[2]")
+    else:
+        ctx.equal(f"{where}: all-reduces", len(reduces), 0)
 
 
 # step -> reduce op set before it; None: the default ("avg") before any call
@@ -438,23 +502,29 @@ def manual_reshard_unshard_lifecycle(ctx: CaseContext) -> None:
         for target_name, target, own in targets:
             where = f"{label} {target_name}"
             handles: list = []
+            recorded: list[CollectiveRecorder] = []
 
-            def unshard_repeatedly(target: nn.Module = target, handles: list = handles) -> None:
-                handles.append(target.unshard(async_op=True))
-                handles.append(target.unshard(async_op=True))  # again while in flight
-                for handle in handles + handles:
-                    handle.wait()
-                handles.append(target.unshard())
+            def unshard_repeatedly(target: nn.Module = target, handles: list = handles, recorded: list = recorded):
+                with record_collectives() as first:
+                    handles.append(target.unshard(async_op=True))
+                with record_collectives() as repeated:
+                    handles.append(target.unshard(async_op=True))  # again while in flight
+                    for handle in handles + handles:
+                        handle.wait()
+                    handles.append(target.unshard())
+                recorded.extend((first, repeated))
 
-            with record_collectives() as rec:
-                raises_nothing(ctx, f"{where}: unshard(async_op=True) x2, wait() x4, unshard()", unshard_repeatedly)
+            raises_nothing(ctx, f"{where}: unshard(async_op=True) x2, wait() x4, unshard()", unshard_repeatedly)
             ctx.true(
                 f"{where}: unshard(async_op=True) returns a handle",
                 len(handles) == 3 and all(hasattr(h, "wait") for h in handles[:2]),
                 str([type(h).__name__ for h in handles[:2]]),
             )
             ctx.true(f"{where}: unshard() returns None", len(handles) == 3 and handles[2] is None)
-            ctx.equal(f"{where}: all-gathers of the repeated unshards", len(rec.of("all_gather")), 1)
+            if len(recorded) == 2:
+                gathered = len(recorded[0].of("all_gather"))
+                ctx.true(f"{where}: the first unshard all-gathers", gathered > 0, gathered, "> 0")
+                ctx.equal(f"{where}: all-gathers of the repeated unshards", len(recorded[1].of("all_gather")), 0)
             want = {name: full_numel[name] if name in own else shard_numel[name] for name in full_numel}
             _record_numels(ctx, f"{where} unsharded", model, want, full_numel)
             params = named_params(model)
@@ -548,7 +618,8 @@ def fully_shard_list_input(ctx: CaseContext) -> None:
             square_mean(model, batch).backward()
         controlled.set_requires_gradient_sync(True)
         square_mean(ddp, batch).backward()
-        ctx.equal(f"{label} sync off: reduce-scatters (the other groups')", len(rec.of("reduce_scatter")), 2)
+        others_reduced = len(rec.of("reduce_scatter"))
+        ctx.true(f"{label} sync off: the other groups reduce-scatter", others_reduced > 0, others_reduced, "> 0")
         params = named_params(model)
         for name in own[mine]:
             ctx.true(f"{label} sync off: {name} has no grad yet", params[name].grad is None)
