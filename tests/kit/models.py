@@ -7,6 +7,10 @@ shard evenly over 2 and 4 ranks (so a case about another feature does not also n
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from copy import deepcopy
+from typing import Any
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -101,19 +105,32 @@ class FeedForwardStack(nn.Module):
 
 
 class Checkpointed(nn.Module):
-    """Runs ``inner`` under torch's activation checkpoint (reentrant or not) while ``enabled``;
-    a disabled copy is the same model without AC, for the reference."""
+    """Runs ``inner`` under torch's activation checkpoint (reentrant or not; with ``context_fn``,
+    torch's selective checkpointing of ops) while ``enabled``; a disabled copy is the same model
+    without AC, for the reference."""
 
-    def __init__(self, inner: nn.Module, use_reentrant: bool) -> None:
+    def __init__(self, inner: nn.Module, use_reentrant: bool, context_fn: Callable[[], Any] | None = None) -> None:
         super().__init__()
         self.inner = inner
         self.use_reentrant = use_reentrant
+        self.context_fn = context_fn
         self.enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
             return self.inner(x)
+        if self.context_fn is not None:
+            return checkpoint(self.inner, x, use_reentrant=False, context_fn=self.context_fn)
         return checkpoint(self.inner, x, use_reentrant=self.use_reentrant)
+
+
+def without_checkpointing(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` with every ``Checkpointed`` disabled (same params, same names)."""
+    copy = deepcopy(model)
+    for module in copy.modules():
+        if isinstance(module, Checkpointed):
+            module.enabled = False
+    return copy
 
 
 def rank_batch(step: int, rank: int, shape: tuple[int, ...], seed: int = 1000) -> torch.Tensor:

@@ -6,6 +6,7 @@ helpers every case needs (nested sharding, rank-data preconditions)."""
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -62,6 +63,32 @@ def raises_nothing(ctx: CaseContext, name: str, action: Callable[[], Any]) -> An
         return None
     ctx.true(name, True, "no exception", "no exception")
     return result
+
+
+class ForwardLog:
+    """Forward calls of named modules (activation checkpointing runs a checkpointed module's forward
+    again in backward) and the devices their inputs were on; ``reset()`` between steps. Counted by
+    forward pre-hooks: a non-re-entrant recomputation stops early, before the forward returns."""
+
+    def __init__(self, modules: Mapping[str, nn.Module]) -> None:
+        self.counts: Counter[str] = Counter()
+        self.devices: set[str] = set()
+        self._handles = [module.register_forward_pre_hook(self._hook(name)) for name, module in modules.items()]
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def seen(module: nn.Module, args: tuple) -> None:
+            self.counts[name] += 1
+            self.devices.update(a.device.type for a in args if isinstance(a, torch.Tensor))
+
+        return seen
+
+    def reset(self) -> None:
+        self.counts.clear()
+        self.devices.clear()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 def grad_norm(model: Any) -> torch.Tensor:
@@ -136,14 +163,19 @@ def _forward_backward(loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[
     return step
 
 
-def _backward_reference(reference: Any, loss: torch.Tensor, sync: bool = True) -> None:
-    """Backward of the baseline; DDP skips its all-reduce (``no_sync``) and a
-    ``SameDtypeReference`` keeps its grads unreduced unless ``sync``."""
+def _reference_step(
+    reference: Any, loss_fn: Callable[[Any, Any], torch.Tensor], batch: Any, sync: bool = True
+) -> torch.Tensor:
+    """Forward and backward of the baseline; unless ``sync``, DDP skips its all-reduce (forward and
+    backward under ``no_sync``: DDP decides in forward) and a ``SameDtypeReference`` keeps its grads
+    unreduced. Returns the loss."""
     accumulating = not sync and isinstance(reference, DistributedDataParallel)
     with reference.no_sync() if accumulating else contextlib.nullcontext():
+        loss = loss_fn(reference, batch)
         loss.backward()
     if isinstance(reference, SameDtypeReference):
         reference.reduce_grads(sync=sync)
+    return loss
 
 
 def _check_grads_and_step(
@@ -197,8 +229,7 @@ def train_against(
     model_step = model_step or _forward_backward(loss_fn)
     prefix = f"{label} " if label else ""
     for step, batch in enumerate(batches):
-        ref_loss = loss_fn(reference, batch)
-        _backward_reference(reference, ref_loss)
+        ref_loss = _reference_step(reference, loss_fn, batch)
         if before_step is not None:
             before_step(step)
         with record_collectives() as recorder:
@@ -247,8 +278,7 @@ def train_accumulating_against(
         for micro, batch in enumerate(micro_batches):
             last = micro == len(micro_batches) - 1
             sync = last or (sync_micro is not None and sync_micro(micro))
-            ref_loss = loss_fn(reference, batch)
-            _backward_reference(reference, ref_loss, sync=sync)
+            ref_loss = _reference_step(reference, loss_fn, batch, sync=sync)
             accumulate(not sync)
             with record_collectives() as recorder:
                 loss = loss_fn(model, batch)
