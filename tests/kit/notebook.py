@@ -39,8 +39,9 @@ def select_cases(level: str, cases: str | Iterable[str] = "all") -> list[Case]:
 
 
 def _id_key(case_id: str) -> tuple:
-    parts = case_id.split("-", 1)[1]
-    return (0, int(parts), "") if parts.isdigit() else (1, 0, parts)
+    """L1-02 < L1-10; L3-01 < L3-01-FSDP < L3-02; named cases (L0-TP) after the numbered ones."""
+    number, _, layout = case_id.split("-", 1)[1].partition("-")
+    return (0, int(number), layout) if number.isdigit() else (1, 0, number)
 
 
 def connect(cluster_id: str = "", profile: str = "", engines: int = 4, implementation: str = "") -> RankCluster:
@@ -56,18 +57,32 @@ def connect(cluster_id: str = "", profile: str = "", engines: int = 4, implement
 def run_cases(
     cluster: RankCluster, cases: list[Case], timeout: float = 0, backend: str = "auto", isolate: bool = False
 ) -> list[Verdict]:
-    """Run each case on the warm cluster (fresh engines each with ``isolate``), one summary line each."""
+    """Run each case on the warm cluster (fresh engines each with ``isolate``), one summary line each;
+    every verdict's ``origin`` carries its provenance (``tests.kit.evidence.provenance``).
+
+    A joined cluster cannot renew engines it does not own: with ``isolate`` its owner must hand
+    over fresh engines (the sweep renews them before each case's notebook) for one case."""
+    from tests.kit.evidence import engines_fresh, provenance
+
     verdicts = []
+    owner_renews = isolate and cluster.cluster is None
+    if owner_renews and (len(cases) > 1 or not engines_fresh(cluster)):
+        raise ValueError(
+            "isolate on a joined cluster needs fresh engines for each case, which only the cluster's owner "
+            "can give: run one case per notebook on engines its owner just renewed, or leave cluster_id empty"
+        )
     for spec in cases:
         if spec.world_size > cluster.n_engines:
             raise ValueError(f"{spec.id} needs {spec.world_size} ranks; the cluster has {cluster.n_engines}")
+        requested = None if backend == "auto" else backend
         verdict = judge_case(
             cluster,
             spec.id,
-            isolate=isolate,
+            isolate=isolate and not owner_renews,
             timeout=timeout or None,
-            backend=None if backend == "auto" else backend,
+            backend=requested,
         )
+        verdict.origin = provenance(cluster, spec.world_size, requested or spec.backend, verdict.origin)
         print(verdict.summary(), flush=True)
         verdicts.append(verdict)
     return verdicts
@@ -100,7 +115,7 @@ def verdict_text(verdict: Verdict) -> str:
     lines.extend(f"  note: {note}" for note in verdict.notes)
     if verdict.failure:
         lines.append("  run failed: " + verdict.failure.splitlines()[0])
-    for name, error, tol, seen, passed in _merged(verdict.checks):
+    for name, error, tol, seen, passed in sorted(_merged(verdict.checks), key=lambda row: row[4]):  # FAIL first
         measure = f"err={error:.3e}" if error is not None else seen
         limit = f"tol={tol:g}" if tol is not None else ""
         lines.append(f"  {'pass' if passed else 'FAIL'}  {name}  {measure}  {limit}".rstrip())
@@ -113,7 +128,17 @@ def print_verdicts(verdicts: list[Verdict]) -> None:
 
 
 def verdicts_html(verdicts: list[Verdict]) -> str:
+    """Every verdict as an HTML table, failing rows first."""
     return "".join(v.html() for v in verdicts)
+
+
+def print_provenance(verdicts: list[Verdict]) -> None:
+    """What each verdict ran on: implementation file @ commit (dirty), torch, backend, ranks, host,
+    date, kit commit (``tests.kit.evidence.provenance_text``)."""
+    from tests.kit.evidence import provenance_text
+
+    for verdict in verdicts:
+        print(f"{verdict.case.id}: {provenance_text(verdict.origin)}")
 
 
 def raise_if_failed(verdicts: list[Verdict]) -> None:
@@ -203,7 +228,8 @@ def plot_losses(verdicts: list[Verdict]) -> Any:
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(curves) :]:
         ax.axis("off")
-    fig.tight_layout()
+    if len(curves) > 1:  # one axes needs no layout pass: the inline backend crops to what is drawn
+        fig.tight_layout()
     return fig
 
 
@@ -243,6 +269,7 @@ def plot_errors(verdicts: list[Verdict]) -> Any:
     for i in starts.values():
         ax.axvline(i - 0.5, color="#dddddd", lw=0.8, zorder=1)
     ax.set_title("per-check error against tolerance (exact agreement drawn at 1e-12)")
-    ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
+    # beside the axes: "best" would search every point for a free spot; the inline backend crops
+    # the picture to what is drawn, so no layout pass is needed
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig

@@ -206,6 +206,7 @@ def train_against(
     mean_loss_over_ranks: bool = False,
     model_step: Callable[[Any, Any], torch.Tensor] | None = None,
     names: Mapping[str, str] | None = None,
+    trajectory: dict[str, torch.Tensor] | None = None,
 ) -> Optimizers:
     """One optimizer step per batch on both; record loss, grad norm, grads and params per step.
 
@@ -238,12 +239,51 @@ def train_against(
             recorders.append(recorder)
         if after_backward is not None:
             after_backward(step)
+        if trajectory is not None:
+            _keep(trajectory, f"step {step}", loss, stepped, grads=True)
         if mean_loss_over_ranks:
             loss = mean_over_ranks(loss)
         ctx.step(f"{prefix}loss", loss, ref_loss)
         ctx.close(f"{prefix}step {step} loss", loss, ref_loss, tol.loss)
         _check_grads_and_step(ctx, f"{prefix}step {step}", stepped, references, opts, tol, params)
+        if trajectory is not None:
+            _keep(trajectory, f"step {step} after the optimizer", None, stepped, grads=False)
     return opts
+
+
+def _keep(
+    trajectory: dict[str, torch.Tensor], where: str, loss: Any, params: Mapping[str, nn.Parameter], grads: bool
+) -> None:
+    """Copies of what this rank holds: the loss, and each param's grad (or the param itself)."""
+    if loss is not None:
+        trajectory[f"{where} loss"] = loss.detach().clone()
+    for name, param in params.items():
+        tensor = param.grad if grads else param
+        if tensor is not None:
+            trajectory[f"{where} {'grad' if grads else 'param'} {name}"] = impl.local(tensor).detach().clone()
+
+
+def train_alone(
+    model: nn.Module,
+    batches: Sequence[Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    trajectory: dict[str, torch.Tensor] | None = None,
+    model_step: Callable[[Any, Any], torch.Tensor] | None = None,
+) -> torch.optim.Optimizer:
+    """``train_against`` without a baseline or checks: the same steps of the model alone, keeping its
+    trajectory (a bitwise rerun of a run the baseline already judged)."""
+    optimizer = (make_optimizer or _adam)(model.parameters())
+    stepped = named_params(model)
+    model_step = model_step or _forward_backward(loss_fn)
+    for step, batch in enumerate(batches):
+        loss = model_step(model, batch)
+        if trajectory is not None:
+            _keep(trajectory, f"step {step}", loss, stepped, grads=True)
+        step_optimizers([optimizer])
+        if trajectory is not None:
+            _keep(trajectory, f"step {step} after the optimizer", None, stepped, grads=False)
+    return optimizer
 
 
 def train_accumulating_against(

@@ -1,0 +1,213 @@
+"""Plan cases of ``_test_fully_shard_with_llm.py``: real language-model structures at the plan's
+sizes (L3-01, L3-02, L3-03, L3-05), each also on its other mesh shape as a case of its own.
+
+Every case trains 2 steps (AdamW) against its baseline with dual metrics (loss, global grad norm,
+every grad element-wise, at step 0 and at step 1, after the optimizer's update), then reruns the
+same body in the same processes from the same seed and compares losses, grads and params bitwise
+(the plan's determinism rule).
+
+Params after an update are not compared with the baseline's: AdamW divides every grad by its own
+running magnitude, so grads that agree to 1e-9 but are themselves that small (the attention key
+bias has an exactly zero true grad; its computed grad is rounding) move params by a different
+fraction of the learning rate, up to 1e-4 apart, whatever the sharding. The step-1 loss and grads
+check the hand-off from the sharded grads to the optimizer, as the plan says.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tests.kit.case import CaseContext, case
+from tests.kit.determinism import Run, rerun_bitwise
+from tests.kit.networks import CE_CHUNK, LLM_SEQ, chunked_ce_decoder, cross_entropy_loss, llm_decoder, token_batch
+from tests.kit.reference import ddp_of
+from tests.kit.tolerances import Tolerance, specific
+from tests.kit.training import (
+    differs_across_ranks,
+    grad_norm,
+    named_params,
+    shard_nested,
+    train_against,
+    train_alone,
+)
+
+LLM_BATCH = 2  # sequences of LLM_SEQ tokens per rank
+STEPS = 2
+Trajectory = dict[str, torch.Tensor]
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    """The optimizer of the L3 cases."""
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token cross entropy of the logits."""
+    tokens, targets = batch
+    return cross_entropy_loss(model(tokens), targets)
+
+
+def _decoder_trains_like_ddp(mesh: Any, tol: Tolerance) -> Run:
+    """The L3-01/02 body on ``mesh``: every decoder block its own group, the root holding the tied
+    embedding / output head and the final norm; 2 AdamW steps against DDP over the same ranks."""
+
+    def run(ctx: CaseContext, compare: bool) -> Trajectory:
+        model = llm_decoder()
+        ddp = ddp_of(model) if compare else None
+        shard_nested(model, model.layers, mesh=mesh)
+        vocab = model.config.vocab
+        batches = [token_batch(step, ctx.rank, LLM_BATCH, LLM_SEQ, vocab) for step in range(STEPS)]
+        trajectory: Trajectory = {}
+        if not compare:
+            train_alone(model, batches, lm_loss, adamw, trajectory)
+            return trajectory
+        ctx.require("ranks' token batches differ", differs_across_ranks(batches[0][0]))
+        train_against(ctx, model, ddp, batches, lm_loss, tol, make_optimizer=adamw, params=False, trajectory=trajectory)
+        return trajectory
+
+    return run
+
+
+@case(
+    "L3-01",
+    "test_llm_decoder_hsdp_vs_ddp",
+    world_size=4,
+    mesh={"replicate": 2, "shard": 2},
+    config="HSDP 2D fp32",
+    needs=("hsdp",),
+)
+def llm_decoder_hsdp_vs_ddp(ctx: CaseContext) -> None:
+    """The 4-layer decoder (RMSNorm, causal MHA, SwiGLU, embedding tied to the output head; vocab
+    1024, hidden 256, seq 128) under HSDP (replicate 2 x shard 2) against DDP over the 4 ranks:
+    step 0 and step 1 loss, global grad norm, every grad (the first layer's attention and the last
+    layer's FFN weights among them) within 1e-5; then bitwise rerun."""
+    rerun_bitwise(ctx, _decoder_trains_like_ddp(ctx.mesh, ctx.tol))
+
+
+@case(
+    "L3-01-FSDP",
+    "test_llm_decoder_hsdp_vs_ddp_fsdp_layout",
+    world_size=4,
+    mesh={"dp": 4},
+    config="FSDP 1D fp32",
+)
+def llm_decoder_4_ranks_fsdp(ctx: CaseContext) -> None:
+    """L3-01 on its other mesh shape: the same decoder, 1-D FSDP over the 4 ranks, against DDP."""
+    rerun_bitwise(ctx, _decoder_trains_like_ddp(ctx.mesh, ctx.tol))
+
+
+@case(
+    "L3-02",
+    "test_llm_decoder_fsdp_1d_vs_ddp",
+    world_size=2,
+    mesh={"dp": 2},
+    config="FSDP 1D fp32",
+)
+def llm_decoder_fsdp_1d_vs_ddp(ctx: CaseContext) -> None:
+    """The L3-01 decoder under 1-D FSDP over 2 ranks against DDP: step 0 and 1 loss, grad norm and
+    every grad within 1e-5; bitwise rerun."""
+    rerun_bitwise(ctx, _decoder_trains_like_ddp(ctx.mesh, ctx.tol))
+
+
+@case(
+    "L3-02-HSDP",
+    "test_llm_decoder_fsdp_1d_vs_ddp_hsdp_layout",
+    world_size=4,
+    mesh={"replicate": 2, "shard": 2},
+    config="HSDP 2D fp32",
+    needs=("hsdp",),
+)
+def llm_decoder_2x2_hsdp(ctx: CaseContext) -> None:
+    """L3-02 on its other mesh shape: HSDP (replicate 2 x shard 2) against DDP over the 4 ranks."""
+    rerun_bitwise(ctx, _decoder_trains_like_ddp(ctx.mesh, ctx.tol))
+
+
+CE_BATCH, CE_SEQ = 3, 256  # 768 tokens per rank: a chunk of CE_CHUNK and a shorter last one
+
+
+def _chunk_total(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The total of the model's chunked loss."""
+    return model(*batch)[0]
+
+
+def _chunked_ce_trains_like_ddp(mesh: Any, tol: Tolerance) -> Run:
+    """The L3-05 body: the 2-layer decoder with the vocab-32768 output, its loss computed in chunks
+    of 512 tokens inside forward (each chunk recomputed in backward, so no chunk's logits stay
+    alive), against DDP computing the same chunked loss."""
+
+    def run(ctx: CaseContext, compare: bool) -> Trajectory:
+        model = chunked_ce_decoder()
+        ddp = ddp_of(model) if compare else None
+        shard_nested(model, model.layers, mesh=mesh)
+        vocab = model.config.vocab
+        batches = [token_batch(step, ctx.rank, CE_BATCH, CE_SEQ, vocab) for step in range(STEPS)]
+        if not compare:
+            trajectory: Trajectory = {}
+            train_alone(model, batches, _chunk_total, adamw, trajectory)
+            return trajectory
+        tokens = CE_BATCH * CE_SEQ
+        ctx.require("more than one chunk per rank, the last one shorter", CE_CHUNK < tokens < 2 * CE_CHUNK, str(tokens))
+        chunks: dict[str, list[tuple[torch.Tensor, list[torch.Tensor]]]] = {"ours": [], "reference": []}
+
+        def chunked_loss(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            total, per_chunk = module(*batch)
+            side = "ours" if module is model else "reference"
+            chunks[side].append((total.detach().clone(), [c.detach().clone() for c in per_chunk]))
+            return total
+
+        def output_weight(step: int) -> None:
+            ours, ref = named_params(model)["embed.weight"], named_params(ddp)["embed.weight"]
+            where = f"step {step} output (tied embedding) weight grad norm"
+            ctx.close(where, grad_norm({"w": ours}), grad_norm({"w": ref}), tol.grad)
+
+        trajectory = {}
+        train_against(
+            ctx,
+            model,
+            ddp,
+            batches,
+            chunked_loss,
+            tol,
+            make_optimizer=adamw,
+            params=False,
+            after_backward=output_weight,
+            trajectory=trajectory,
+        )
+        for step, ((total, ours), (_, reference)) in enumerate(zip(chunks["ours"], chunks["reference"], strict=True)):
+            ctx.equal(f"step {step} chunk count", len(ours), len(reference))
+            for i, (mine, theirs) in enumerate(zip(ours, reference, strict=True)):
+                ctx.close(f"step {step} chunk {i} loss", mine, theirs, tol.loss)
+            ctx.close(f"step {step} sum of chunk losses == total loss", sum(ours), total, specific("chunk sum"))
+        return trajectory
+
+    return run
+
+
+@case(
+    "L3-05",
+    "test_chunked_ce_fsdp_vs_ddp",
+    world_size=2,
+    mesh={"dp": 2},
+    config="FSDP 1D fp32",
+)
+def chunked_ce_fsdp_vs_ddp(ctx: CaseContext) -> None:
+    """2-layer decoder + vocab-32768 output under 1-D FSDP, cross entropy in chunks of 512 tokens:
+    total loss, each chunk's loss, grad norm, output-weight grad norm and every grad within 1e-5 of
+    DDP; the chunk losses sum to the total within 1e-6; bitwise rerun."""
+    rerun_bitwise(ctx, _chunked_ce_trains_like_ddp(ctx.mesh, ctx.tol))
+
+
+@case(
+    "L3-05-HSDP",
+    "test_chunked_ce_fsdp_vs_ddp_hsdp_layout",
+    world_size=4,
+    mesh={"replicate": 2, "shard": 2},
+    config="HSDP 2D fp32",
+    needs=("hsdp",),
+)
+def chunked_ce_hsdp(ctx: CaseContext) -> None:
+    """L3-05 on its other mesh shape: HSDP (replicate 2 x shard 2) against DDP over the 4 ranks."""
+    rerun_bitwise(ctx, _chunked_ce_trains_like_ddp(ctx.mesh, ctx.tol))
