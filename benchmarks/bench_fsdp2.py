@@ -1,45 +1,25 @@
-"""Benchmark ``hyper_parallel.fully_shard`` against torch FSDP2 on the same model, mesh and data.
+"""Benchmark our ``fully_shard`` against torch FSDP2 on the L3 networks: same model, mesh and data, one run.
 
-Run (2 CPU ranks, gloo)::
+Run ``python benchmarks/bench_fsdp2.py [--models decoder,vit] [--steps 10] [--json out.json]``; it
+re-executes itself under ``torchrun --nproc-per-node 2`` (``BENCH_NPROC`` overrides the count).
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_fsdp2.py \
-        [--steps 20 --warmup 3 --layers 4 --hidden 512 --batch 4 --seq 64] [--json out.json] [--profile 3]
+Per model (``tests.kit.networks``: ``llm_decoder`` on token batches of seq 128, ``vit`` on 224 x 224
+images), each implementation of the kit's surface (ours: ``load(parse_spec(""))``, FSDP2:
+``load(parse_spec("torch"))``) shards a fresh copy of the seeded model bottom-up (each block, then the
+root; default ``reshard_after_forward``: the root keeps its params after forward) on one 1-D mesh and
+trains it with AdamW on the same per-rank batches. Steps interleave (which one goes first alternates),
+so machine noise hits both alike. Printed, with the ratio ours / FSDP2:
 
-or simply ``python benchmarks/bench_fsdp2.py [...]``, which re-executes itself under torchrun
-with ``--nproc-per-node 2`` (``BENCH_NPROC`` overrides the count).
+- step time: the median over the measured steps of wall time and of process CPU time (steadier on a
+  shared machine), per rank; the max over ranks;
+- peak memory of one more step, by the kit's probe (``tests.kit.memory.peak_memory``): live tensors
+  (sharded params, grads and AdamW state included), and the bytes held for backward; the max over ranks;
+- bytes on the wire per step and rank, by the kit's recorder (``tests.kit.recorder``) on one more
+  step, against the theoretical minimum for fp32 FSDP with a root kept after forward:
+  ``(W-1)/W x (3 P - P_root)`` (all-gather in forward P, in backward P - P_root, reduce-scatter P).
 
-Both engines train a fresh deep copy of one seeded tiny decoder, wrapped bottom-up (each block,
-then the root) on the same 1-D mesh with default ``reshard_after_forward`` (the root keeps its
-params after forward), with AdamW, on the same per-rank token batches. The two trainings are
-interleaved step by step (which engine goes first alternates), so machine noise hits both alike.
-The default batch (4 sequences per rank) keeps a step near half a second on 2 CPU cores and the
-whole run well under a minute. Printed per engine:
-
-* step time: median over ``--steps`` measured steps after ``--warmup`` steps (zero_grad,
-  forward, backward, optimizer step), per rank; the table shows the max over ranks of the
-  per-rank medians, and beside it the min step time and the median process CPU time per step
-  (``time.process_time``, all threads of the rank: insensitive to other processes taking the
-  cores, which wall time on a shared machine is not).
-* peak memory per rank (max over ranks), three labelled measures:
-  - ``peak tensor bytes``: torch.cuda.max_memory_allocated on CUDA; on CPU the peak of live
-    tensor storage bytes during one extra (untimed) step, tracked by
-    ``torch.distributed._tools.mem_tracker.MemTracker`` (a TorchDispatchMode that sees every
-    storage created, freed or resized, plus the model's params and the optimizer's state);
-  - ``saved-for-backward peak``: peak bytes of the distinct storages autograd holds for backward
-    (``torch.autograd.graph.saved_tensors_hooks``; a storage counts its current size, so params
-    freed by resharding count 0);
-  - ``param+grad+optim state``: bytes of this rank's sharded params, grads and AdamW state.
-* bytes communicated per step per rank: every ``torch.distributed`` collective the step issues is
-  counted as ring-algorithm wire bytes sent per rank (all-gather and reduce-scatter:
-  (W-1)/W x full buffer; all-reduce: 2(W-1)/W x buffer), against the theoretical minimum for fp32
-  FSDP with reshard_after_forward and a root that keeps its params after forward::
-
-      min = (W-1)/W x (3 P - P_root)     (all-gather fwd P + all-gather bwd P - P_root + reduce-scatter P)
-
-  with P the model's param bytes and P_root the root module's own param bytes; the plain
-  3 (W-1)/W P (root resharded too) is printed beside it.
-
-The two engines must agree: per-rank losses over every step equal within 1e-5, else exit 1.
+The losses of both, every step and rank, must agree within the registry's ``FSDP 1D fp32`` loss
+tolerance, else the exit status is 1.
 """
 
 from __future__ import annotations
@@ -47,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
-import io
 import json
 import math
 import os
@@ -55,653 +34,266 @@ import pstats
 import statistics
 import sys
 import time
-from collections import Counter
-from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
-LOSS_ATOL = 1e-5
-
-
-# -- launcher ---------------------------------------------------------------------------------
-def _reexec_under_torchrun() -> None:
+if __name__ == "__main__" and "LOCAL_RANK" not in os.environ:  # re-exec under torchrun (needs no torch)
     nproc = os.environ.get("BENCH_NPROC", "2")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        nproc,
-        os.path.abspath(__file__),
-        *sys.argv[1:],
-    ]
-    os.execv(sys.executable, cmd)
+    script = os.path.abspath(__file__)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", nproc]
+    os.execv(sys.executable, [*launcher, script, *sys.argv[1:]])
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.kit
 
-if __name__ == "__main__" and "LOCAL_RANK" not in os.environ:
-    _reexec_under_torchrun()
-
-import torch  # noqa: E402  (after the re-exec, which needs no torch)
-
-torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
-
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-# the repo root on sys.path, so ``hyper_parallel`` imports without an install
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.kit.memory import peak_memory  # noqa: E402
+from tests.kit.networks import LLM_SEQ, cross_entropy_loss, image_batch, llm_decoder, token_batch, vit  # noqa: E402
+from tests.kit.recorder import record_collectives  # noqa: E402
+from tests.kit.surface import Implementation, load, parse_spec  # noqa: E402
+from tests.kit.tolerances import tolerance  # noqa: E402
 
-
-# -- model ------------------------------------------------------------------------------------
-class Block(nn.Module):
-    """Pre-norm decoder block: causal self-attention and a GELU MLP."""
-
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(hidden)
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.proj = nn.Linear(hidden, hidden)
-        self.norm2 = nn.LayerNorm(hidden)
-        self.fc1 = nn.Linear(hidden, 4 * hidden)
-        self.fc2 = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        qkv = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, h // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, s, h))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+ENGINES = {"ours": "", "fsdp2": "torch"}  # name -> implementation spec of the kit's surface
+Batch = tuple[torch.Tensor, torch.Tensor]
+MAXED = ("step_ms", "cpu_ms", "peak_bytes", "saved_bytes", "wire_bytes")  # reported as the max over ranks
 
 
-class TinyDecoder(nn.Module):
-    def __init__(self, vocab: int, hidden: int, layers: int, heads: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
-        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
-        self.norm = nn.LayerNorm(hidden)
-        self.head = nn.Linear(hidden, vocab, bias=False)
+@dataclass(frozen=True)
+class Workload:
+    """An L3 network, its blocks (each its own FSDP group) and its per-rank data."""
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+    build: Callable[[], nn.Module]
+    blocks: Callable[[nn.Module], Iterable[nn.Module]]
+    data: Callable[[Any, int, int, int], Batch]  # (model, step, rank, batch) -> (inputs, targets)
+    batch: int  # default samples per rank: a step of well under a second on one CPU thread
 
 
-def root_param_numel(model: TinyDecoder) -> int:
-    """Params the root group owns (everything outside the blocks)."""
-    in_blocks = {id(p) for p in model.blocks.parameters()}
-    return sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
-
-
-# -- engines ----------------------------------------------------------------------------------
-def shard_ours(model: TinyDecoder, mesh: DeviceMesh) -> None:
-    from hyper_parallel import fully_shard
-
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, comm_fusion=True)
-    fully_shard(model, mesh=mesh, comm_fusion=True)
-
-
-def shard_fsdp2(model: TinyDecoder, mesh: DeviceMesh) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-
-
-ENGINES: dict[str, Callable[[TinyDecoder, DeviceMesh], None]] = {
-    "ours": shard_ours,
-    "fsdp2": shard_fsdp2,
+WORKLOADS = {
+    "decoder": Workload(llm_decoder, lambda m: m.layers, lambda m, *srb: token_batch(*srb, LLM_SEQ, m.config.vocab), 4),
+    "vit": Workload(vit, lambda m: m.blocks, lambda m, *srb: image_batch(*srb, m.config.image), 2),
 }
 
 
-# -- communication counter --------------------------------------------------------------------
-# name -> how its wire bytes per rank are computed from its (args, kwargs) and the group size
-def _nbytes(t: Any) -> int:
-    if isinstance(t, torch.Tensor):
-        return t.numel() * t.element_size()
-    if isinstance(t, (list, tuple)):
-        return sum(_nbytes(x) for x in t)
-    return 0
+class Trainer:
+    """One implementation's sharded copy of the model and its AdamW, with what its steps measured."""
+
+    def __init__(self, name: str, base: nn.Module, work: Workload, mesh: Any, device: torch.device) -> None:
+        self.name, self.impl = name, load(parse_spec(ENGINES[name]))
+        self.model = copy.deepcopy(base).to(device)
+        shard(self.impl, self.model, work.blocks(self.model), mesh)
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.01)
+        self.losses: list[float] = []
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self.numbers: dict[str, Any] = {}
+
+    def step(self, batch: Batch) -> float:
+        """zero_grad, forward, loss, backward, optimizer step; the loss."""
+        inputs, targets = batch
+        self.optim.zero_grad(set_to_none=True)
+        loss = cross_entropy_loss(self.model(inputs), targets)
+        loss.backward()
+        with self.impl.optimizer_step():
+            self.optim.step()
+        self.losses.append(loss.item())
+        return self.losses[-1]
+
+    def timed_step(self, batch: Batch, device: torch.device) -> None:
+        """A step between barriers, its wall and process CPU time recorded."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.step(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.wall.append(time.perf_counter() - wall)
+        self.cpu.append(time.process_time() - cpu)
+
+    def instrumented_steps(self, comm_batch: Batch, memory_batch: Batch, device: torch.device) -> None:
+        """One step under the collective recorder, one under the memory probe."""
+        dist.barrier()
+        with record_collectives() as recorder:
+            self.step(comm_batch)
+        dist.barrier()
+        with peak_memory(device, holding=(self.model, self.optim)) as memory:
+            self.step(memory_batch)
+        self.numbers = {
+            "step_ms": statistics.median(self.wall) * 1e3,
+            "cpu_ms": statistics.median(self.cpu) * 1e3,
+            "peak_bytes": memory.peak,
+            "saved_bytes": memory.saved_bytes,
+            "wire_bytes": recorder.wire_bytes(),
+            "collectives": dict(recorder.counts()),
+        }
 
 
-def _arg(args: tuple, kwargs: dict, index: int, *names: str) -> Any:
-    if len(args) > index:
-        return args[index]
-    for name in names:
-        if name in kwargs:
-            return kwargs[name]
-    return None
+def shard(impl: Implementation, model: nn.Module, blocks: Iterable[nn.Module], mesh: Any) -> None:
+    """Each block, then the root, with the implementation's defaults."""
+    for block in blocks:
+        impl.fully_shard(block, mesh=mesh)
+    impl.fully_shard(model, mesh=mesh)
 
 
-def _gather_bytes(args: tuple, kwargs: dict, w: int) -> float:  # (output, input): output is full
-    return (w - 1) / w * _nbytes(_arg(args, kwargs, 0, "output_tensor", "output", "tensor_list"))
+def profile(trainers: list[Trainer], batches: list[Batch], rank: int) -> None:
+    """cProfile ``batches`` steps of each trainer on rank 0 (the others run them plainly); print the top."""
+    for trainer in trainers:
+        profiler = cProfile.Profile() if rank == 0 else None
+        dist.barrier()
+        if profiler:
+            profiler.enable()
+        for batch in batches:
+            trainer.step(batch)
+        if profiler:
+            profiler.disable()
+            print(f"\n===== cProfile of {trainer.name}, {len(batches)} steps, rank 0 =====")
+            stats = pstats.Stats(profiler).sort_stats("tottime")
+            stats.print_stats(25)
+            stats.sort_stats("cumulative").print_stats(r"hyper_parallel|_fully_shard", 25)
 
 
-def _scatter_bytes(args: tuple, kwargs: dict, w: int) -> float:  # (output, input): input is full
-    return (w - 1) / w * _nbytes(_arg(args, kwargs, 1, "input", "input_tensor", "input_list"))
-
-
-def _all_reduce_bytes(args: tuple, kwargs: dict, w: int) -> float:
-    return 2 * (w - 1) / w * _nbytes(_arg(args, kwargs, 0, "tensor"))
-
-
-def _broadcast_bytes(args: tuple, kwargs: dict, w: int) -> float:
-    return float(_nbytes(_arg(args, kwargs, 0, "tensor")))
-
-
-def _no_bytes(args: tuple, kwargs: dict, w: int) -> float:
-    return 0.0
-
-
-_COLLECTIVES: dict[str, Callable[[tuple, dict, int], float]] = {
-    "all_gather_single": _gather_bytes,
-    "all_gather_into_tensor": _gather_bytes,
-    "_all_gather_base": _gather_bytes,
-    "all_gather": _gather_bytes,
-    "reduce_scatter_single": _scatter_bytes,
-    "reduce_scatter_tensor": _scatter_bytes,
-    "_reduce_scatter_base": _scatter_bytes,
-    "reduce_scatter": _scatter_bytes,
-    "all_reduce": _all_reduce_bytes,
-    "all_to_all_single": _scatter_bytes,
-    "broadcast": _broadcast_bytes,
-    "barrier": _no_bytes,
-}
-
-
-class CommCounter:
-    """Wraps the ``torch.distributed`` collectives; counts calls and wire bytes while ``active``.
-
-    Aliases that call one another are counted once, at the outermost call.
-    """
-
-    def __init__(self) -> None:
-        self.active = False
-        self.calls: Counter[str] = Counter()
-        self.bytes: Counter[str] = Counter()
-        self._depth = 0
-        self._originals: dict[str, Callable] = {}
-
-    def install(self) -> None:
-        for name, size_of in _COLLECTIVES.items():
-            original = getattr(dist, name, None)
-            if original is None:
-                continue
-            self._originals[name] = original
-            setattr(dist, name, self._wrap(name, original, size_of))
-
-    def uninstall(self) -> None:
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
-        self._originals.clear()
-
-    def _wrap(self, name: str, original: Callable, size_of: Callable) -> Callable:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if self.active and self._depth == 0:
-                group = kwargs.get("group")
-                world = dist.get_world_size(group)
-                self.calls[name] += 1
-                self.bytes[name] += size_of(args, kwargs, world)
-            self._depth += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._depth -= 1
-
-        wrapper.__wrapped__ = original
-        return wrapper
-
-    def reset(self) -> None:
-        self.calls.clear()
-        self.bytes.clear()
-
-    @contextmanager
-    def recording(self):
-        self.active = True
-        try:
-            yield
-        finally:
-            self.active = False
-
-
-class CollectiveOpSpy(TorchDispatchMode):
-    """Counts collective ops at the dispatcher, a cross-check of ``CommCounter``.
-
-    ``c10d`` ops are what the ``torch.distributed`` calls become (they should match the counted
-    calls); ``_c10d_functional`` ops are collectives that bypass ``torch.distributed`` (DTensor
-    redistribution, functional collectives) and would be missing from the byte count.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.c10d: Counter[str] = Counter()
-        self.functional: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
-            self.c10d[func.__name__] += 1
-        elif func.namespace in ("_c10d_functional", "c10d_functional"):
-            self.functional[func.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
-# -- memory -----------------------------------------------------------------------------------
-class SavedTensorPeak:
-    """Peak bytes of the distinct storages autograd holds for backward."""
-
-    def __init__(self) -> None:
-        self.live: dict[int, list] = {}  # storage key -> [storage, refcount]
-        self.peak = 0
-
-    def _sample(self) -> None:
-        total = sum(st.nbytes() for st, _ in self.live.values())
-        self.peak = max(self.peak, total)
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        try:
-            storage = local.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return t
-        key = storage._cdata
-        entry = self.live.setdefault(key, [storage, 0])
-        entry[1] += 1
-        self._sample()
-        return t
-
-    def unpack(self, t: torch.Tensor) -> torch.Tensor:
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        try:
-            key = local.untyped_storage()._cdata
-        except (RuntimeError, NotImplementedError):
-            return t
-        self._sample()
-        entry = self.live.get(key)
-        if entry is not None:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self.live[key]
-        return t
-
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-
-
-def _local_bytes(t: torch.Tensor | None) -> int:
-    if t is None:
-        return 0
-    local = t._local_tensor if isinstance(t, DTensor) else t
-    return local.numel() * local.element_size()
-
-
-def state_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, int]:
-    params = list(model.parameters())
-    opt = sum(_local_bytes(v) for s in optim.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+def bench(name: str, args: argparse.Namespace, mesh: Any, device: torch.device) -> dict[str, Any]:
+    """Train both implementations on one model, interleaved; their numbers, worst rank each, and the model's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    work = WORKLOADS[name]
+    base = work.build()
+    trainers = [Trainer(engine, base, work, mesh, device) for engine in args.order]
+    batch = args.batch or work.batch
+    batches = [
+        tuple(t.to(device) for t in work.data(base, i, rank, batch)) for i in range(args.warmup + args.steps + 2)
+    ]
+    for i, data in enumerate(batches[: args.warmup + args.steps]):
+        for trainer in trainers if i % 2 == 0 else trainers[::-1]:
+            if i < args.warmup:
+                trainer.step(data)
+            else:
+                trainer.timed_step(data, device)
+    for trainer in trainers:
+        trainer.instrumented_steps(batches[-2], batches[-1], device)
+    if args.profile:
+        profile(trainers, batches[: args.profile], rank)
+    losses = {t.name: t.losses for t in trainers}
+    pairs = zip(losses["ours"], losses["fsdp2"], strict=True)
+    diff = max(abs(a - b) if math.isfinite(a + b) else math.inf for a, b in pairs)  # a NaN loss fails
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, ({t.name: t.numbers for t in trainers}, diff, losses["ours"]))
+    engines: dict[str, dict[str, Any]] = {}
+    for e in args.order:
+        engines[e] = {k: max(g[0][e][k] for g in gathered) for k in MAXED}
+        engines[e]["collectives"] = gathered[0][0][e]["collectives"]
+        engines[e]["step_ms_per_rank"] = [g[0][e]["step_ms"] for g in gathered]
+    param_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    in_blocks = {id(p) for block in work.blocks(base) for p in block.parameters()}
+    root_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if id(p) not in in_blocks)
     return {
-        "params": sum(_local_bytes(p) for p in params),
-        "grads": sum(_local_bytes(p.grad) for p in params),
-        "optim_state": opt,
+        "model": name,
+        "batch_per_rank": batch,
+        "params": sum(p.numel() for p in base.parameters()),
+        "param_bytes": param_bytes,
+        "root_param_bytes": root_bytes,
+        "wire_min_bytes": (world - 1) / world * (3 * param_bytes - root_bytes),
+        "loss_max_abs_diff": max(g[1] for g in gathered),
+        "losses_rank0": gathered[0][2],
+        "engines": engines,
     }
 
 
-# -- the runs ---------------------------------------------------------------------------------
-class EngineRun:
-    """One engine's model (a fresh deep copy of the base, sharded bottom-up) and its AdamW."""
-
-    def __init__(self, name: str, base: TinyDecoder, mesh: DeviceMesh, device: torch.device) -> None:
-        self.name = name
-        self.model = copy.deepcopy(base).to(device)
-        ENGINES[name](self.model, mesh)
-        self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.01)
-        self.losses: list[float] = []
-        self.times: list[float] = []
-        self.cpu_times: list[float] = []
-        self.step_bytes: list[float] = []
-        self.calls: Counter[str] = Counter()
-        self.bytes_by_op: Counter[str] = Counter()
-        self.memory: dict[str, Any] = {}
-
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        self.optim.zero_grad(set_to_none=True)
-        logits = self.model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        self.optim.step()
-        return loss.detach()
-
-    def timed_step(self, tokens: torch.Tensor, comm: CommCounter, device: torch.device) -> None:
-        dist.barrier()
-        _sync(device)
-        comm.reset()
-        start, cpu_start = time.perf_counter(), time.process_time()
-        with comm.recording():
-            loss = self.step(tokens)
-            _sync(device)
-        self.times.append(time.perf_counter() - start)
-        self.cpu_times.append(time.process_time() - cpu_start)
-        self.losses.append(loss.item())
-        self.step_bytes.append(sum(comm.bytes.values()))
-        self.calls.update(comm.calls)
-        self.bytes_by_op.update(comm.bytes)
-
-    def memory_step(self, tokens: torch.Tensor, device: torch.device) -> None:
-        """One untimed step under the memory measures."""
-        dist.barrier()
-        saved = SavedTensorPeak()
-        spy = CollectiveOpSpy()
-        tracker = None
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            ctx: Any = nullcontext()
-        else:
-            from torch.distributed._tools.mem_tracker import MemTracker
-
-            tracker = MemTracker()
-            tracker.track_external(self.model, self.optim)
-            ctx = tracker
-        with ctx, spy, saved.hooks():
-            self.losses.append(self.step(tokens).item())
-        if tracker is None:
-            peak = torch.cuda.max_memory_allocated(device)
-        else:
-            peak = tracker.get_tracker_snapshot("peak").get(device, {}).get("Total", 0)
-        self.memory = {
-            "peak_tensor_bytes": int(peak),
-            "saved_for_backward_peak_bytes": saved.peak,
-            "state_bytes": state_bytes(self.model, self.optim),
-            "c10d_ops_memory_step": dict(spy.c10d),
-            "functional_collective_ops_memory_step": dict(spy.functional),
-        }
-
-    def profile(self, batches: list[torch.Tensor], rank: int) -> str:
-        """cProfile these steps on rank 0 (the other ranks run them unprofiled)."""
-        profiler = cProfile.Profile() if rank == 0 else None
-        dist.barrier()
-        if profiler is not None:
-            profiler.enable()
-        for tokens in batches:
-            self.step(tokens)
-        if profiler is None:
-            return ""
-        profiler.disable()
-        out = io.StringIO()
-        stats = pstats.Stats(profiler, stream=out)
-        out.write(f"--- top 30 by tottime over {len(batches)} steps ---\n")
-        stats.sort_stats("tottime").print_stats(30)
-        out.write(f"--- top 45 by cumulative time over {len(batches)} steps ---\n")
-        stats.sort_stats("cumulative").print_stats(45)
-        out.write("--- the engine's own functions (hyper_parallel / fsdp/_fully_shard), by cumulative ---\n")
-        stats.sort_stats("cumulative").print_stats(r"hyper_parallel|_fully_shard", 30)
-        return out.getvalue()
-
-    def result(self, steps: int) -> dict[str, Any]:
-        return {
-            "losses": self.losses,
-            "step_ms": [t * 1e3 for t in self.times],
-            "median_ms": statistics.median(self.times) * 1e3,
-            "min_ms": min(self.times) * 1e3,
-            "median_cpu_ms": statistics.median(self.cpu_times) * 1e3,
-            "comm_bytes_per_step": statistics.mean(self.step_bytes),
-            "comm_bytes_per_step_min_max": [min(self.step_bytes), max(self.step_bytes)],
-            "comm_calls_per_step": {k: v / steps for k, v in self.calls.items()},
-            "comm_bytes_by_op_per_step": {k: v / steps for k, v in self.bytes_by_op.items()},
-            **self.memory,
-        }
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def run_all(
-    names: list[str],
-    base: TinyDecoder,
-    mesh: DeviceMesh,
-    batches: list[torch.Tensor],
-    args: argparse.Namespace,
-    comm: CommCounter,
-    device: torch.device,
-    rank: int,
-) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Train every engine on the same batches, interleaved step by step.
-
-    Interleaving (and swapping which engine goes first each step) exposes both engines to the
-    same machine noise, which on a shared 2-core box varies by tens of percent over a run.
-    """
-    runs = [EngineRun(name, base, mesh, device) for name in names]
-    it = iter(batches)
-    for i in range(args.warmup):
-        tokens = next(it)
-        for run in runs if i % 2 == 0 else runs[::-1]:
-            run.losses.append(run.step(tokens).item())
-    for i in range(args.steps):
-        tokens = next(it)
-        for run in runs if i % 2 == 0 else runs[::-1]:
-            run.timed_step(tokens, comm, device)
-    tokens = next(it)
-    for run in runs:
-        run.memory_step(tokens, device)
-    profiles = {}
-    if args.profile:
-        extra = [next(it) for _ in range(args.profile)]
-        profiles = {run.name: run.profile(extra, rank) for run in runs}
-    return {run.name: run.result(args.steps) for run in runs}, profiles
-
-
-# -- report -----------------------------------------------------------------------------------
-def _mib(n: float) -> str:
-    return f"{n / 2**20:9.2f} MiB"
-
-
-def _ms(v: float) -> str:
-    return f"{v:9.2f} ms  "
-
-
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:6.3f}" if b else "   n/a"
+def report(result: dict[str, Any], atol: float) -> None:
+    """One table per model: ours, FSDP2 and ours / FSDP2."""
+    ours, fsdp2 = result["engines"]["ours"], result["engines"]["fsdp2"]
+    mib = 2.0**20
+    rows = [
+        ("step time, wall (median; max over ranks)", "step_ms", 1.0, "ms"),
+        ("step time, process CPU (median)", "cpu_ms", 1.0, "ms"),
+        ("peak memory, live tensors", "peak_bytes", mib, "MiB"),
+        ("peak memory, held for backward", "saved_bytes", mib, "MiB"),
+        ("bytes on the wire per step", "wire_bytes", mib, "MiB"),
+    ]
+    print(
+        f"\n{result['model']}: {result['params']:,} params ({result['param_bytes'] / mib:.2f} MiB, root "
+        f"{result['root_param_bytes'] / mib:.2f} MiB), batch {result['batch_per_rank']} per rank"
+    )
+    print(f"  {'':<42}{'ours':>12}{'FSDP2':>12}{'ours/FSDP2':>12}")
+    for label, key, unit, suffix in rows:
+        a, b = ours[key] / unit, fsdp2[key] / unit
+        print(f"  {label:<42}{a:>8.2f} {suffix:<3}{b:>8.2f} {suffix:<3}{a / b if b else float('nan'):>12.3f}")
+    low = result["wire_min_bytes"]
+    print(
+        f"  {'wire minimum (W-1)/W (3P - P_root)':<42}{low / mib:>8.2f} MiB   wire / minimum: ours "
+        f"{ours['wire_bytes'] / low:.3f}, FSDP2 {fsdp2['wire_bytes'] / low:.3f}"
+    )
+    for name, e in (("ours", ours), ("FSDP2", fsdp2)):
+        calls = ", ".join(f"{op} x{n}" for op, n in sorted(e["collectives"].items()))
+        print(
+            f"  collectives per step, {name}: {calls}; step ms per rank {[round(v, 1) for v in e['step_ms_per_rank']]}"
+        )
+    verdict = "agree" if result["loss_max_abs_diff"] <= atol else "DIFFER"
+    print(
+        f"  losses {verdict}: max |ours - FSDP2| {result['loss_max_abs_diff']:.2e} (tolerance {atol:g}), "
+        f"loss {result['losses_rank0'][0]:.4f} -> {result['losses_rank0'][-1]:.4f}"
+    )
 
 
 def main() -> int:
+    """Parse, set up the process group and mesh, bench each model, report."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=20, help="measured steps")
-    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps before measuring")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--order", default="ours,fsdp2", help="which engine steps first (then alternating)")
-    parser.add_argument("--loss-atol", type=float, default=LOSS_ATOL, help="max |loss diff| allowed")
+    parser.add_argument("--models", default="decoder,vit", help=f"comma-separated, of {sorted(WORKLOADS)}")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps")
+    parser.add_argument("--warmup", type=int, default=2, help="steps before measuring")
+    parser.add_argument("--batch", type=int, default=0, help="samples per rank (default: the model's)")
+    parser.add_argument("--order", default="ours,fsdp2", help="which implementation steps first, then alternating")
+    parser.add_argument("--profile", type=int, default=0, help="cProfile this many more steps of each, rank 0")
     parser.add_argument("--json", default=None, help="write the numbers to this file (rank 0)")
-    parser.add_argument("--profile", type=int, default=0, help="cProfile N extra steps of each engine")
     args = parser.parse_args()
-    engines = [e.strip() for e in args.order.split(",")]
-    if sorted(engines) != sorted(ENGINES):
-        parser.error(f"--order must list each of {sorted(ENGINES)} once")
+    args.order = [e.strip() for e in args.order.split(",")]
+    if sorted(args.order) != sorted(ENGINES):
+        parser.error(f"--order must name each of {sorted(ENGINES)} once")
+    models = [m.strip() for m in args.models.split(",")]
+    if not set(models) <= set(WORKLOADS):
+        parser.error(f"--models must be among {sorted(WORKLOADS)}")
 
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if use_cuda:
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    world = dist.get_world_size()
+    if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    mesh = init_device_mesh(device.type, (world,))
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    mesh = load(parse_spec(ENGINES["ours"])).init_mesh(device.type, (world,), ("dp",))
+    atol = tolerance("FSDP 1D fp32").loss
 
-    torch.manual_seed(args.seed)
-    base = TinyDecoder(args.vocab, args.hidden, args.layers, args.heads)
-    n_params = sum(p.numel() for p in base.parameters())
-    param_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
-    root_bytes = root_param_numel(base) * 4
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
-    n_batches = args.warmup + args.steps + 1 + args.profile
-    batches = [
-        torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(device) for _ in range(n_batches)
-    ]
-
-    comm = CommCounter()
-    comm.install()
-    wall = time.perf_counter()
-    try:
-        results, profiles = run_all(engines, base, mesh, batches, args, comm, device, rank)
-    finally:
-        comm.uninstall()
-    wall = time.perf_counter() - wall
-
-    # loss agreement, per rank, then the worst over ranks
-    a, b = (results[e]["losses"] for e in ("ours", "fsdp2"))
-    local_diff = max(abs(x - y) for x, y in zip(a, b, strict=True))
-    finite = all(math.isfinite(x) for x in a + b)
-    gathered: list[dict[str, Any]] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(gathered, {"results": results, "loss_diff": local_diff, "finite": finite})
-    max_diff = max(g["loss_diff"] for g in gathered)
-    all_finite = all(g["finite"] for g in gathered)
-
-    ok = all_finite and max_diff <= args.loss_atol
-    if rank == 0:
-        summary = summarize(gathered, args, world, n_params, param_bytes, root_bytes, engines)
-        summary["loss_max_abs_diff"] = max_diff
-        summary["loss_atol"] = args.loss_atol
-        summary["losses_agree"] = ok
-        summary["wall_s"] = wall
-        print_table(summary)
-        for name, text in profiles.items():
-            print(f"\n===== cProfile of {name}, rank 0 =====")
-            print(text)
+    start = time.perf_counter()
+    results = [bench(name, args, mesh, device) for name in models]
+    ok = all(r["loss_max_abs_diff"] <= atol for r in results)
+    if dist.get_rank() == 0:
+        print(
+            f"\nours vs torch FSDP2 | {device.type} x{world} ranks, {torch.get_num_threads()} thread(s)/rank, "
+            f"torch {torch.__version__}, {args.warmup} warm-up + {args.steps} measured steps (+2 instrumented)"
+        )
+        for result in results:
+            report(result, atol)
+        print(f"\nwall time {time.perf_counter() - start:.1f} s{'' if ok else '; FAIL: the losses differ'}")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(summary, f, indent=2, default=str)
-            print(f"wrote {args.json}")
-        if not ok:
-            print(
-                f"FAIL: losses of ours and FSDP2 differ by {max_diff:.3e} > {args.loss_atol:g}"
-                + ("" if all_finite else " (non-finite loss)"),
-                file=sys.stderr,
-            )
+                json.dump(
+                    {
+                        "device": device.type,
+                        "world": world,
+                        "torch": torch.__version__,
+                        "config": vars(args),
+                        "loss_tolerance": atol,
+                        "models": results,
+                    },
+                    f,
+                    indent=2,
+                )
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
-
-
-def summarize(
-    gathered: list[dict[str, Any]],
-    args: argparse.Namespace,
-    world: int,
-    n_params: int,
-    param_bytes: int,
-    root_bytes: int,
-    engines: list[str],
-) -> dict[str, Any]:
-    frac = (world - 1) / world
-    per_engine: dict[str, Any] = {}
-    for name in engines:
-        ranks = [g["results"][name] for g in gathered]
-        per_engine[name] = {
-            "median_step_ms_max_over_ranks": max(r["median_ms"] for r in ranks),
-            "median_step_ms_per_rank": [r["median_ms"] for r in ranks],
-            "min_step_ms_max_over_ranks": max(r["min_ms"] for r in ranks),
-            "median_cpu_ms_max_over_ranks": max(r["median_cpu_ms"] for r in ranks),
-            "peak_tensor_bytes_max_over_ranks": max(r["peak_tensor_bytes"] for r in ranks),
-            "saved_for_backward_peak_bytes_max_over_ranks": max(r["saved_for_backward_peak_bytes"] for r in ranks),
-            "state_bytes_max_over_ranks": max(sum(r["state_bytes"].values()) for r in ranks),
-            "state_bytes_rank0": ranks[0]["state_bytes"],
-            "comm_bytes_per_step_max_over_ranks": max(r["comm_bytes_per_step"] for r in ranks),
-            "comm_calls_per_step_rank0": ranks[0]["comm_calls_per_step"],
-            "comm_bytes_by_op_per_step_rank0": ranks[0]["comm_bytes_by_op_per_step"],
-            "c10d_ops_memory_step_rank0": ranks[0]["c10d_ops_memory_step"],
-            "functional_collective_ops_memory_step_rank0": ranks[0]["functional_collective_ops_memory_step"],
-            "losses_rank0": ranks[0]["losses"],
-            "step_ms_rank0": ranks[0]["step_ms"],
-        }
-    return {
-        "config": {**vars(args), "world": world, "threads_per_rank": torch.get_num_threads()},
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
-        "n_params": n_params,
-        "param_bytes": param_bytes,
-        "root_param_bytes": root_bytes,
-        "comm_min_bytes_per_step": frac * (3 * param_bytes - root_bytes),
-        "comm_min_formula": "(W-1)/W * (3*P - P_root)  [root keeps params after forward]",
-        "comm_3x_bytes_per_step": 3 * frac * param_bytes,
-        "engines": per_engine,
-    }
-
-
-def print_table(s: dict[str, Any]) -> None:
-    cfg = s["config"]
-    ours, fsdp2 = s["engines"]["ours"], s["engines"]["fsdp2"]
-    mem_label = "cuda max_memory_allocated" if s["device"] == "cuda" else "MemTracker peak live tensors"
-    print()
-    print(
-        f"hyper_parallel vs torch FSDP2 | {s['device']} x{cfg['world']} ranks, "
-        f"{cfg['threads_per_rank']} thread(s)/rank, torch {s['torch']}"
-    )
-    print(
-        f"model: TinyDecoder layers={cfg['layers']} hidden={cfg['hidden']} heads={cfg['heads']} "
-        f"vocab={cfg['vocab']}  params={s['n_params']:,} ({_mib(s['param_bytes']).strip()}, "
-        f"root-owned {_mib(s['root_param_bytes']).strip()})"
-    )
-    print(
-        f"data: batch={cfg['batch']} seq={cfg['seq']} per rank; AdamW; "
-        f"warmup={cfg['warmup']} measured={cfg['steps']} (+1 memory step)"
-    )
-    print()
-    rows = [
-        ("median step time (max over ranks)", "median_step_ms_max_over_ranks", _ms),
-        ("  min step time (max over ranks)", "min_step_ms_max_over_ranks", _ms),
-        ("  median process CPU time/step (all threads)", "median_cpu_ms_max_over_ranks", _ms),
-        (f"peak memory: {mem_label}", "peak_tensor_bytes_max_over_ranks", _mib),
-        ("peak memory: saved-for-backward peak", "saved_for_backward_peak_bytes_max_over_ranks", _mib),
-        ("memory: param+grad+AdamW state (sharded)", "state_bytes_max_over_ranks", _mib),
-        ("comm bytes/step/rank (ring wire bytes)", "comm_bytes_per_step_max_over_ranks", _mib),
-    ]
-    w = 44
-    print(f"{'metric':<{w}} {'ours':>14} {'FSDP2':>14} {'ours/FSDP2':>11}")
-    print("-" * (w + 42))
-    for label, key, fmt in rows:
-        print(f"{label:<{w}} {fmt(ours[key]):>14} {fmt(fsdp2[key]):>14} {_ratio(ours[key], fsdp2[key]):>11}")
-    print("-" * (w + 42))
-    mn = s["comm_min_bytes_per_step"]
-    print(f"{'comm theoretical min/step/rank':<{w}} {_mib(mn):>14}   {s['comm_min_formula']}")
-    print(f"{'  (3*(W-1)/W*P, root resharded too)':<{w}} {_mib(s['comm_3x_bytes_per_step']):>14}")
-    for name, e in (("ours", ours), ("FSDP2", fsdp2)):
-        ratio = _ratio(e["comm_bytes_per_step_max_over_ranks"], mn)
-        print(f"{'comm / theoretical min, ' + name:<{w}} {ratio:>14}")
-    print()
-    for name, e in (("ours", ours), ("FSDP2", fsdp2)):
-        calls = ", ".join(f"{k} x{v:g}" for k, v in sorted(e["comm_calls_per_step_rank0"].items()))
-        print(f"collectives/step (rank 0), {name}: {calls}")
-        ops = ", ".join(f"{k} x{v}" for k, v in sorted(e["c10d_ops_memory_step_rank0"].items()))
-        print(f"  cross-check, c10d ops at the dispatcher in the memory step: {ops or 'none'}")
-        functional = e["functional_collective_ops_memory_step_rank0"]
-        if functional:
-            print(f"  WARNING functional collectives, not in the byte count: {functional}")
-    print(
-        "per-rank median step ms: "
-        + "; ".join(
-            f"{n}: " + ", ".join(f"{v:.1f}" for v in e["median_step_ms_per_rank"])
-            for n, e in (("ours", ours), ("FSDP2", fsdp2))
-        )
-    )
-    verdict = "OK" if s["losses_agree"] else "MISMATCH"
-    print(
-        f"losses: max |ours - FSDP2| over {len(ours['losses_rank0'])} steps x ranks = "
-        f"{s['loss_max_abs_diff']:.3e} (atol {s['loss_atol']:g}) -> {verdict}; "
-        f"first/last loss rank 0: {ours['losses_rank0'][0]:.4f} / {ours['losses_rank0'][-1]:.4f}"
-    )
-    print(f"wall time of both runs: {s['wall_s']:.1f} s")
 
 
 if __name__ == "__main__":

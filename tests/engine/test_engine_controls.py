@@ -1,5 +1,5 @@
 """Engine control tests no plan case covers: recurse=False on gradient sync, recovery after a failed
-iteration, argument refusals (until L0-ARGS). Rank bodies live in ``_ranks_controls.py``."""
+iteration (argument refusals are the L0-ARGS cases). Rank bodies live in ``_ranks_controls.py``."""
 
 from __future__ import annotations
 
@@ -19,8 +19,3 @@ def test_gradient_sync_recurse_false(cluster):
 def test_recovers_after_a_failed_iteration(cluster, failing):
     """After a forward or a backward that raised, training still equals DDP; no plan case covers it."""
     cluster.run(ranks.recovers_after_a_failed_iteration, 2, failing=failing)
-
-
-def test_bad_input_is_refused_before_any_change(cluster):
-    """Bad arguments refused, named, before any change; no plan case covers it yet (L0-ARGS will take it over)."""
-    cluster.run(ranks.bad_input_is_refused_before_any_change, 2)

@@ -1,52 +1,126 @@
-"""Per-rank memory probe: the allocator's peak on CUDA; on CPU, the peak bytes autograd holds
-for backward (what activation checkpointing and resharding are meant to reduce)."""
+"""Per-rank memory probe of a block, two measures on any device:
+
+- ``peak``: the peak bytes of live tensors. CUDA: the allocator's ``max_memory_allocated``. CPU: a
+  dispatcher-level tracker (a ``TorchDispatchMode``) of the storages of ``holding`` (modules: params,
+  grads, buffers; optimizers: their state), counted from the start, and of every storage the block's
+  ops create or touch, counted from then on; each at its current size while it is alive, so
+  ``UntypedStorage.resize_`` (how FSDP frees and re-allocates unsharded params) counts too.
+- ``saved_bytes``: the peak bytes of the distinct storages autograd holds for backward, at their
+  current size (a param storage freed by resharding after forward counts 0 until re-gathered).
+
+``bytes`` is the measure the plan's cases compare (L2-04): the allocator's peak above the start on
+CUDA, ``saved_bytes`` on CPU. Both drop under activation checkpointing.
+"""
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 @dataclass
 class MemoryPeak:
     """Filled in when the ``peak_memory`` block ends."""
 
-    bytes: int = 0
+    bytes: int = 0  # the plan's measure: CUDA allocator peak above the start; CPU: saved_bytes
     what: str = ""
+    peak: int = 0  # peak bytes of live tensors (see the module docstring)
+    saved_bytes: int = 0  # peak bytes held for backward
 
 
-class _SavedTensorBytes:
-    """Counts distinct storages saved for backward while they are alive; keeps the peak."""
+def _storage(tensor: Any) -> torch.UntypedStorage | None:
+    """The storage behind a tensor (a DTensor's local shard), or None (no storage, fake or meta)."""
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    if isinstance(tensor, DTensor):
+        tensor = tensor._local_tensor
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return None if storage.device.type == "meta" else storage
+
+
+class _StorageBytes:
+    """Bytes of the storages seen (live and held for backward), kept up to date; keeps the peaks."""
 
     def __init__(self) -> None:
-        self.current = 0
+        self.live = 0  # bytes of the storages seen, now
         self.peak = 0
-        self._holders: dict[int, int] = {}  # storage address -> live saved tensors using it
+        self.saved = 0  # bytes of the storages held for backward now
+        self.saved_peak = 0
+        self._size: dict[int, int] = {}  # storage key -> its counted bytes
+        self._refs: dict[int, weakref.ref] = {}  # storage key -> weakref whose callback uncounts it
+        self._saved: dict[int, int] = {}  # storage key -> live saved tensors using it
+
+    def see(self, storage: torch.UntypedStorage, nbytes: int | None = None) -> int:
+        """Count a storage (at ``nbytes``, default its size) from now on, unless counted; returns its key."""
+        key = storage._cdata
+        if key not in self._size:
+            self._size[key] = storage.nbytes() if nbytes is None else nbytes
+            self._refs[key] = weakref.ref(storage, functools.partial(self._gone, key))
+            self.live += self._size[key]
+            self.peak = max(self.peak, self.live)
+        return key
+
+    def resized(self, storage: torch.UntypedStorage, before: int) -> None:
+        """A storage changed size (from ``before`` bytes)."""
+        key = self.see(storage, before)
+        delta = storage.nbytes() - self._size[key]
+        self._size[key] += delta
+        self.live += delta
+        self.peak = max(self.peak, self.live)
+        if key in self._saved:
+            self.saved += delta
+            self.saved_peak = max(self.saved_peak, self.saved)
+
+    def _gone(self, key: int, _ref: weakref.ref) -> None:
+        """A counted storage was freed."""
+        self._unsave(key, everyone=True)
+        self.live -= self._size.pop(key, 0)
+        self._refs.pop(key, None)
 
     def pack(self, tensor: torch.Tensor) -> object:
-        storage = tensor.untyped_storage()
-        key, size = storage.data_ptr(), storage.nbytes()
-        if self._holders.get(key, 0) == 0:
-            self.current += size
-            self.peak = max(self.peak, self.current)
-        self._holders[key] = self._holders.get(key, 0) + 1
+        """Saved-tensor pack hook: count the storage as held for backward while the handle lives."""
+        storage = _storage(tensor)
+        if storage is None:
+            return tensor
+        key = self.see(storage)
+        self._saved[key] = self._saved.get(key, 0) + 1
+        if self._saved[key] == 1:
+            self.saved += self._size[key]
+            self.saved_peak = max(self.saved_peak, self.saved)
         handle = _Handle(tensor)
-        weakref.finalize(handle, self._release, key, size)
+        weakref.finalize(handle, self._unsave, key)
         return handle
 
     @staticmethod
-    def unpack(handle: _Handle) -> torch.Tensor:
-        return handle.tensor
+    def unpack(handle: object) -> torch.Tensor:
+        """Saved-tensor unpack hook."""
+        return handle.tensor if isinstance(handle, _Handle) else handle
 
-    def _release(self, key: int, size: int) -> None:
-        self._holders[key] -= 1
-        if self._holders[key] == 0:
-            del self._holders[key]
-            self.current -= size
+    def _unsave(self, key: int, everyone: bool = False) -> None:
+        """One saved tensor on the storage was released (``everyone``: the storage itself was freed)."""
+        if key not in self._saved:
+            return
+        self._saved[key] = 0 if everyone else self._saved[key] - 1
+        if self._saved[key] == 0:
+            del self._saved[key]
+            self.saved -= self._size.get(key, 0)
+
+    def close(self) -> None:
+        """Stop counting (drop the weakrefs, so their callbacks never fire)."""
+        self._refs.clear()
+        self._saved.clear()
 
 
 class _Handle:
@@ -56,22 +130,96 @@ class _Handle:
         self.tensor = tensor
 
 
+class _LiveStorages(TorchDispatchMode):
+    """Counts the storage of every tensor an op takes or returns (DTensor ops: their local ops)."""
+
+    def __init__(self, counter: _StorageBytes) -> None:
+        super().__init__()
+        self._counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if DTensor in types:
+            return NotImplemented  # DTensor runs and its local ops come back here
+        kwargs = kwargs or {}
+        for value in tree_leaves((args, kwargs)):
+            storage = _storage(value)
+            if storage is not None:
+                self._counter.see(storage)
+        out = func(*args, **kwargs)
+        for value in tree_leaves(out):
+            storage = _storage(value)
+            if storage is not None:
+                self._counter.see(storage)
+        return out
+
+
 @contextmanager
-def peak_memory(device: torch.device | str = "cpu") -> Iterator[MemoryPeak]:
-    """Measure this rank's peak inside the block (CUDA: allocator peak; CPU: saved-for-backward)."""
+def _counting_resizes(counter: _StorageBytes) -> Iterator[None]:
+    """Route ``UntypedStorage.resize_`` (not a dispatcher op) through the counter inside the block."""
+    original: Callable[..., Any] = torch.UntypedStorage.resize_
+
+    @functools.wraps(original)
+    def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+        before = storage.nbytes()
+        result = original(storage, size)
+        counter.resized(storage, before)
+        return result
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original
+
+
+def _held_tensors(holding: Iterable[Any]) -> Iterator[torch.Tensor]:
+    """The tensors of modules (params, their grads, buffers), optimizers (state) and tensors."""
+    for item in holding:
+        if isinstance(item, torch.nn.Module):
+            yield from item.buffers()
+            for param in item.parameters():
+                yield param
+                if param.grad is not None:
+                    yield param.grad
+        elif isinstance(item, torch.optim.Optimizer):
+            yield from (v for state in item.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+        elif isinstance(item, torch.Tensor):
+            yield item
+
+
+@contextmanager
+def peak_memory(device: torch.device | str = "cpu", holding: Iterable[Any] = ()) -> Iterator[MemoryPeak]:
+    """Measure this rank's peaks inside the block (see the module docstring; ``holding``: the CPU tracker
+    counts the tensors of these modules, optimizers and tensors from the start)."""
     device = torch.device(device)
     result = MemoryPeak()
-    if device.type == "cuda":
+    counter = _StorageBytes()
+    for tensor in _held_tensors(holding):
+        storage = _storage(tensor)
+        if storage is not None:
+            counter.see(storage)
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        yield result
+    tracker = _LiveStorages(counter) if not cuda else None
+    try:
+        with _counting_resizes(counter), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            if tracker is None:
+                yield result
+            else:
+                with tracker:
+                    yield result
+    finally:
+        counter.close()
+    result.saved_bytes = counter.saved_peak
+    if cuda:
         torch.cuda.synchronize(device)
-        result.bytes = torch.cuda.max_memory_allocated(device) - base
+        result.peak = torch.cuda.max_memory_allocated(device)
+        result.bytes = result.peak - base
         result.what = "CUDA allocator peak above the start"
-        return
-    counter = _SavedTensorBytes()
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-        yield result
-    result.bytes = counter.peak
-    result.what = "peak bytes saved for backward"
+    else:
+        result.peak = counter.peak
+        result.bytes = counter.saved_peak
+        result.what = "peak bytes saved for backward"

@@ -40,8 +40,9 @@ def select_cases(level: str, cases: str | Iterable[str] = "all") -> list[Case]:
 
 def _id_key(case_id: str) -> tuple:
     """L1-02 < L1-10; L3-01 < L3-01-FSDP < L3-02; named cases (L0-TP) after the numbered ones."""
-    number, _, layout = case_id.split("-", 1)[1].partition("-")
-    return (0, int(number), layout) if number.isdigit() else (1, 0, number)
+    rest = case_id.split("-", 1)[1]
+    number, _, layout = rest.partition("-")
+    return (0, int(number), layout) if number.isdigit() else (1, 0, rest)
 
 
 def connect(cluster_id: str = "", profile: str = "", engines: int = 4, implementation: str = "") -> RankCluster:

@@ -150,16 +150,27 @@ class CollectiveRecorder:
 
 
 class _C10dSpy(TorchDispatchMode):
-    """Passes every op through; tells the recorder about the c10d ones."""
+    """Passes every op through; tells the recorder about the c10d ones.
+
+    A collective writes into its output in place, and autograd learns of that through the version
+    counter, which the ADInplaceOrView kernel bumps. Redispatched from a mode, a c10d op would run
+    with that key excluded, so the write would go unseen: a collective refilling a buffer autograd
+    saved would no longer fail its saved-tensor check, and the recorder would hide a real bug. The
+    op therefore runs with ADInplaceOrView back in the dispatch set, as it would without the mode.
+    """
 
     def __init__(self, notify: Callable[[str, str, tuple], None]) -> None:
         super().__init__()
         self._notify = notify
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
-            self._notify(func.namespace, func._opname, tuple(args))
-        return func(*args, **(kwargs or {}))
+        if func.namespace not in ("c10d", "_c10d_functional", "c10d_functional"):
+            return func(*args, **(kwargs or {}))
+        self._notify(func.namespace, func._opname, tuple(args))
+        included = torch._C._dispatch_tls_local_include_set()
+        excluded = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.ADInplaceOrView)
+        with torch._C._ForceDispatchKeyGuard(included, excluded):
+            return func(*args, **(kwargs or {}))
 
 
 @contextmanager

@@ -168,6 +168,11 @@ class Implementation:
         """The whole tensor on every rank (a collective for distributed tensors)."""
         return tensor.full_tensor() if self.is_sharded(tensor) else tensor
 
+    def full_like(self, tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The whole value of a per-param tensor laid out like its param ``like`` (an optimizer state:
+        torch keeps it as a DTensor like the param; an implementation may keep the local shard)."""
+        return self.full(tensor)
+
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
         """What this rank holds of the tensor."""
         return tensor.to_local() if self.is_sharded(tensor) else tensor

@@ -233,7 +233,7 @@ def train_against(
         ref_loss = _reference_step(reference, loss_fn, batch)
         if before_step is not None:
             before_step(step)
-        with record_collectives() as recorder:
+        with record_collectives() if recorders is not None else contextlib.nullcontext() as recorder:
             loss = model_step(model, batch)
         if recorders is not None:
             recorders.append(recorder)

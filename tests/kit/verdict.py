@@ -46,12 +46,18 @@ class Verdict:
     @property
     def status(self) -> str:
         """PASS, FAIL, UNSUPPORTED, ERROR, TIMEOUT or DIED (the plan's verdict; extras apart)."""
-        if self.unsupported:
+        if self.unsupported or self.nothing_but_skipped_parts:
             return "UNSUPPORTED"
         if self.failure_kind:
             return self.failure_kind
         plan = self.plan_checks
         return "PASS" if plan and all(c.passed for c in plan) else "FAIL"
+
+    @property
+    def nothing_but_skipped_parts(self) -> bool:
+        """Every part was skipped or refused: only preconditions ran, nothing was judged."""
+        judged = [c for c in self.plan_checks if not c.name.startswith("precondition: ")]
+        return bool(self.notes) and not judged and self.failure_kind is None
 
     @property
     def passed(self) -> bool:
@@ -72,6 +78,8 @@ class Verdict:
             return self.leak
         if self.unsupported:
             return "unsupported: " + ", ".join(self.unsupported)
+        if self.nothing_but_skipped_parts:
+            return "unsupported: every part (" + "; ".join(self.notes) + ")"
         if self.failure:
             return self.failure.splitlines()[0][:300]
         failed = [c for c in self.plan_checks if not c.passed]

@@ -38,7 +38,8 @@ from tests.kit.training import (
     "test_fully_shard_none_mesh",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D fp32", needs=("mesh_none",),
+    config="FSDP 1D fp32",
+    needs=("mesh_none",),
 )
 def none_mesh(ctx: CaseContext) -> None:
     """mesh=None builds a 1-D mesh over the world; 2 steps equal DDP."""
@@ -57,7 +58,8 @@ def none_mesh(ctx: CaseContext) -> None:
     "test_fully_shard_explicit_mesh_nested",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D fp32", needs=("reshard_after_forward",),
+    config="FSDP 1D fp32",
+    needs=("reshard_after_forward",),
 )
 def explicit_mesh_nested(ctx: CaseContext) -> None:
     """With an explicit 1-D mesh and nested groups, reshard_after_forward=True/False at construction
@@ -177,7 +179,8 @@ def _shard_cols(param: nn.Parameter) -> Any:
     "test_fully_shard_cpu_offload",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D fp32", needs=("cpu_offload",),
+    config="FSDP 1D fp32",
+    needs=("cpu_offload",),
 )
 def cpu_offload(ctx: CaseContext) -> None:
     """CPUOffloadPolicy keeps sharded params, grads and optimizer state on the CPU (pinned where an
@@ -225,7 +228,8 @@ def _same_as_rank0(ctx: CaseContext, name: str, tensor: torch.Tensor) -> None:
     "test_fully_shard_replicate_params",
     world_size=4,
     mesh={"replicate": 2, "shard": 2},
-    config="FSDP 1D fp32", needs=("replicate_params", "hsdp"),
+    config="FSDP 1D fp32",
+    needs=("replicate_params", "hsdp"),
 )
 def replicate_params(ctx: CaseContext) -> None:
     """replicate_params keeps the chosen params whole and bitwise equal on every rank, on a 1-D and
@@ -266,7 +270,8 @@ def replicate_params(ctx: CaseContext) -> None:
     "test_fully_shard_tensor_parallel",
     world_size=4,
     mesh={"dp": 2, "tp": 2},
-    config="TP + FSDP fp32", needs=("tensor_parallel",),
+    config="TP + FSDP fp32",
+    needs=("tensor_parallel",),
 )
 def tensor_parallel(ctx: CaseContext) -> None:
     """Tensor parallel (Colwise/Rowwise) on the tp dim and fully_shard on the dp dim of a (dp, tp)
@@ -335,7 +340,8 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tenso
     "test_fully_shard_dcp_round_trip",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D fp32", needs=("dcp",),
+    config="FSDP 1D fp32",
+    needs=("dcp",),
 )
 def dcp_round_trip(ctx: CaseContext) -> None:
     """A torch.distributed.checkpoint of a sharded model and its Adam state loads bitwise into a

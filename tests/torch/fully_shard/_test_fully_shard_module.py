@@ -48,7 +48,8 @@ def _micro_batches(rank: int, steps: int = 2) -> list[list]:
     "test_set_requires_gradient_sync",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D fp32", needs=("gradient_sync",),
+    config="FSDP 1D fp32",
+    needs=("gradient_sync",),
 )
 def requires_gradient_sync(ctx: CaseContext) -> None:
     """set_requires_gradient_sync(False) issues no reduction and accumulates locally; the next
@@ -108,7 +109,9 @@ def _prefetch_lists_order_gathers(ctx: CaseContext, mesh) -> None:
     ddp = ddp_of(model)
     layer_of = _layer_of_gather(model, ctx.world_size)
     ctx.require("every layer's gathers have sizes of their own", -1 not in layer_of.values(), str(layer_of))
-    first, middle, last = shard_nested(model, model.layers, mesh=mesh).layers
+    # resharded after forward (explicitly: the default's meaning is no business of this case), so
+    # backward gathers every layer again, in the order the lists ask for
+    first, middle, last = shard_nested(model, model.layers, mesh=mesh, reshard_after_forward=True).layers
     # natural orders: forward 0, 1, 2 and backward 2, 1, 0; the lists ask for 0, 2, 1 and 2, 0, 1
     first.set_modules_to_forward_prefetch([last, middle])
     last.set_modules_to_backward_prefetch([first, middle])
@@ -162,7 +165,8 @@ def _not_last_backward_defers_reductions(ctx: CaseContext, mesh) -> None:
     "test_prefetch_and_last_backward",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D fp32", needs=("prefetch", "last_backward"),
+    config="FSDP 1D fp32",
+    needs=("prefetch", "last_backward", "reshard_after_forward"),
 )
 def prefetch_and_last_backward(ctx: CaseContext) -> None:
     """Forward/backward prefetch lists decide the order of all-gathers; set_is_last_backward(False)
@@ -195,7 +199,8 @@ def _reshard_all(model: nn.Module) -> None:
     "test_dynamic_reshard_control",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D fp32", needs=("reshard_controls",),
+    config="FSDP 1D fp32",
+    needs=("reshard_controls",),
 )
 def dynamic_reshard_control(ctx: CaseContext) -> None:
     """set_reshard_after_forward / set_reshard_after_backward, toggled off and back on between
@@ -257,7 +262,8 @@ def _stale_copies_noticed(ctx: CaseContext) -> None:
     "test_set_requires_all_reduce",
     world_size=4,
     mesh={"replicate": 2, "shard": 2},
-    config="HSDP 2D fp32", needs=("hsdp", "all_reduce_control", "recurse_false"),
+    config="HSDP 2D fp32",
+    needs=("hsdp", "all_reduce_control"),
 )
 def set_requires_all_reduce(ctx: CaseContext) -> None:
     """HSDP on a (replicate 2, shard 2) mesh. All-reduce on: the two replica groups' grads agree
@@ -340,20 +346,23 @@ def set_requires_all_reduce(ctx: CaseContext) -> None:
     for step, rec in enumerate(recorders):
         _reductions(ctx, f"all-reduce off step {step}", rec, all_reduces=False)
 
-    # recurse=False on the root: its own group (layer 2) off, the children's on
-    model, ddp, replica_ddp = build(), ddp_of(template), ddp_of(template, process_group=shards)
-    model.set_requires_all_reduce(False, recurse=False)
-    label = "root recurse=False"
-    with record_collectives() as rec:
-        square_mean(model, batches[0]).backward()
-    for reference in (ddp, replica_ddp):
-        square_mean(reference, batches[0]).backward()
-    _reductions(ctx, f"{label} (the children's groups)", rec, all_reduces=True)
-    children = [n for n in names if n not in ROOT_OWN]
-    replicas_differ(label, model, ROOT_OWN)
-    replicas_agree(label, model, children)
-    record_grads(ctx, f"{label} root's own vs DDP over the replica group", model, replica_ddp, tol.grad, ROOT_OWN)
-    record_grads(ctx, f"{label} children's vs DDP over all ranks", model, ddp, tol.grad, children)
+    def root_only() -> None:
+        """recurse=False on the root: its own group (layer 2) off, the children's on."""
+        model, ddp, replica_ddp = build(), ddp_of(template), ddp_of(template, process_group=shards)
+        model.set_requires_all_reduce(False, recurse=False)
+        label = "root recurse=False"
+        with record_collectives() as rec:
+            square_mean(model, batches[0]).backward()
+        for reference in (ddp, replica_ddp):
+            square_mean(reference, batches[0]).backward()
+        _reductions(ctx, f"{label} (the children's groups)", rec, all_reduces=True)
+        children = [n for n in names if n not in ROOT_OWN]
+        replicas_differ(label, model, ROOT_OWN)
+        replicas_agree(label, model, children)
+        record_grads(ctx, f"{label} root's own vs DDP over the replica group", model, replica_ddp, tol.grad, ROOT_OWN)
+        record_grads(ctx, f"{label} children's vs DDP over all ranks", model, ddp, tol.grad, children)
+
+    ctx.run_part("recurse=False", ("recurse_false",), root_only)
 
 
 def _reductions(ctx: CaseContext, where: str, rec: CollectiveRecorder, all_reduces: bool) -> None:
@@ -377,7 +386,8 @@ REDUCE_OP_PLAN = (None, "sum", "sum", "avg")
     "test_set_reduce_op_type",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D fp32", needs=("reduce_op_type",),
+    config="FSDP 1D fp32",
+    needs=("reduce_op_type",),
 )
 def set_reduce_op_type(ctx: CaseContext) -> None:
     """set_reduce_op_type: "sum" grads are world_size x DDP's, "avg" (and the default) DDP's; after
@@ -413,7 +423,8 @@ def set_reduce_op_type(ctx: CaseContext) -> None:
         for name, param in named_params(model).items():
             state, ref_state = opt.state[param], ref_opt.state[refs[name]]
             for key in ("exp_avg", "exp_avg_sq"):
-                ctx.close(f"{where} optimizer {key} {name}", state[key], ref_state[key], tol.grad)
+                whole = impl.full_like(state[key], param)
+                ctx.close(f"{where} optimizer {key} {name}", whole, ref_state[key], tol.grad)
         record_params(ctx, where, model, ddp, tol.grad)
 
 
@@ -425,7 +436,8 @@ ACCUMULATED = 3  # backwards accumulated before zero_grad: two reduced, the last
     "test_zero_grad",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D fp32", needs=("zero_grad", "gradient_sync"),
+    config="FSDP 1D fp32",
+    needs=("zero_grad", "gradient_sync"),
 )
 def zero_grad(ctx: CaseContext) -> None:
     """After accumulating reduced grads and one locally held (unsynced) grad, zero_grad() clears
@@ -480,7 +492,8 @@ def zero_grad(ctx: CaseContext) -> None:
     "test_manual_reshard_unshard_lifecycle",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D fp32", needs=("unshard_reshard",),
+    config="FSDP 1D fp32",
+    needs=("unshard_reshard",),
 )
 def manual_reshard_unshard_lifecycle(ctx: CaseContext) -> None:
     """unshard(async_op=True) twice, wait() on the handles, unshard() again: nothing raised, one
@@ -558,7 +571,8 @@ def manual_reshard_unshard_lifecycle(ctx: CaseContext) -> None:
     "test_fully_shard_list_input",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D fp32", needs=("list_input", "reshard_controls", "gradient_sync", "unshard_reshard"),
+    config="FSDP 1D fp32",
+    needs=("list_input", "reshard_controls", "gradient_sync", "unshard_reshard"),
 )
 def fully_shard_list_input(ctx: CaseContext) -> None:
     """fully_shard([layer0, layer1]) returns a list of the two modules, each an HSDPModule with its

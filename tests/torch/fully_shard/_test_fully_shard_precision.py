@@ -39,7 +39,8 @@ from tests.kit.training import (
     "test_comm_fusion_on_off",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D fp32", needs=("comm_fusion",),
+    config="FSDP 1D fp32",
+    needs=("comm_fusion",),
 )
 def comm_fusion_on_off(ctx: CaseContext) -> None:
     """comm_fusion=True issues one all-gather / reduce-scatter per group, False one per param; both
@@ -71,7 +72,8 @@ def comm_fusion_on_off(ctx: CaseContext) -> None:
     "test_fully_shard_list_input_precision",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D fp32", needs=("list_input",),
+    config="FSDP 1D fp32",
+    needs=("list_input",),
 )
 def list_input_precision(ctx: CaseContext) -> None:
     """Two layers sharded by one list call, as independent groups under a sharded root, train like DDP."""
@@ -134,7 +136,8 @@ def _names(dtypes: set[torch.dtype]) -> str:
     "test_mp_defaults_and_fp16",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D fp16", needs=("mixed_precision",),
+    config="FSDP 1D fp16",
+    needs=("mixed_precision",),
 )
 def mp_defaults_and_fp16(ctx: CaseContext) -> None:
     """The default MixedPrecisionPolicy computes and communicates in fp32; fp16/fp32/fp32 computes and
@@ -212,7 +215,8 @@ def _train_under_policy(
     "test_ignored_params",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D fp32", needs=("ignored_params",),
+    config="FSDP 1D fp32",
+    needs=("ignored_params",),
 )
 def ignored_params(ctx: CaseContext) -> None:
     """An ignored param stays the user's plain, whole tensor (not a DTensor; not moved, cast or
@@ -270,7 +274,8 @@ def ignored_params(ctx: CaseContext) -> None:
     "test_comm_fusion_numerical_correctness",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D fp32", needs=("comm_fusion",),
+    config="FSDP 1D fp32",
+    needs=("comm_fusion",),
 )
 def comm_fusion_numerical_correctness(ctx: CaseContext) -> None:
     """comm_fusion on and off train the same model on the same data to the same numbers: per step,
@@ -349,7 +354,8 @@ def comm_fusion_numerical_correctness(ctx: CaseContext) -> None:
     "test_mp_bf16_param_fp32_reduce",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D bf16", needs=("mixed_precision",),
+    config="FSDP 1D bf16",
+    needs=("mixed_precision",),
 )
 def mp_bf16_param_fp32_reduce(ctx: CaseContext) -> None:
     """bf16/fp32/fp32: compute params and all-gathers bf16, reductions fp32, fp32 DTensor grads,
@@ -363,7 +369,8 @@ def mp_bf16_param_fp32_reduce(ctx: CaseContext) -> None:
     "test_mp_bf16_all_bf16",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D bf16", needs=("mixed_precision",),
+    config="FSDP 1D bf16",
+    needs=("mixed_precision",),
 )
 def mp_bf16_all_bf16(ctx: CaseContext) -> None:
     """bf16/bf16/bf16: compute, all-gathers, reductions and the output in bf16; param.grad keeps
@@ -377,7 +384,8 @@ def mp_bf16_all_bf16(ctx: CaseContext) -> None:
     "test_mp_cast_forward_inputs_false",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D fp16", needs=("mixed_precision", "cast_forward_inputs"),
+    config="FSDP 1D fp16",
+    needs=("mixed_precision", "cast_forward_inputs"),
 )
 def mp_cast_forward_inputs_false(ctx: CaseContext) -> None:
     """fp16/fp32 with cast_forward_inputs=False: the root's and the first layer's forwards receive
@@ -414,7 +422,8 @@ MAIN_GRAD_SYNCS = (False, True, True)
     "test_mp_apply_grad_on_fp32_main_grad",
     world_size=2,
     mesh={"dp": 2},
-    config="FSDP 1D fp16", needs=("mixed_precision", "main_grad", "gradient_sync"),
+    config="FSDP 1D fp16",
+    needs=("mixed_precision", "main_grad", "gradient_sync"),
 )
 def mp_apply_grad_on_fp32_main_grad(ctx: CaseContext) -> None:
     """fp16/fp32 with apply_grad_on_fp32_main_grad: per step a held-back micro-batch then two reduced
@@ -458,14 +467,22 @@ def mp_apply_grad_on_fp32_main_grad(ctx: CaseContext) -> None:
         after_micro=main_grads,
         sync_micro=lambda micro: MAIN_GRAD_SYNCS[micro],
     )
-    square_mean(model, rank_batches(ctx.rank, (4, DIMS[0]), first=90)[0]).backward()
-    ctx.require("main grads hold a reduced grad before zero_grad", all(p.grad is not None for p in model.parameters()))
-    model.zero_grad()
-    for name, param in named_params(model).items():
-        ctx.true(f"after zero_grad: {name}.grad is None", param.grad is None)
-        buffer = getattr(param, "main_grad", None)
-        zeros = buffer is not None and not bool(full(buffer).any())
-        ctx.true(f"after zero_grad: {name}.main_grad zeros", zeros)
+
+    def zero_grad_clears_main_grads() -> None:
+        square_mean(model, rank_batches(ctx.rank, (4, DIMS[0]), first=90)[0]).backward()
+        held = [getattr(p, "main_grad", None) for p in model.parameters()]
+        ctx.require(
+            "main grads hold a reduced grad before zero_grad",
+            all(b is not None and bool(full(b).any()) for b in held),
+        )
+        model.zero_grad()
+        for name, param in named_params(model).items():
+            ctx.true(f"after zero_grad: {name}.grad is None", param.grad is None)
+            buffer = getattr(param, "main_grad", None)
+            zeros = buffer is not None and not bool(full(buffer).any())
+            ctx.true(f"after zero_grad: {name}.main_grad zeros", zeros)
+
+    ctx.run_part("zero_grad", ("zero_grad",), zero_grad_clears_main_grads)
 
 
 # -- L2: feature coupling ------------------------------------------------------------------------

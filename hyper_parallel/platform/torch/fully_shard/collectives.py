@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,19 +48,28 @@ def _reduce_scatter_flat(
 # -- all-gather ------------------------------------------------------------------------------
 @dataclass
 class AllGather:
-    """An all-gather in flight; ``wait`` completes it and fills the unsharded params."""
+    """An all-gather in flight; ``wait`` completes it and fills the unsharded params.
+
+    A param gathered in place (``outputs`` None) is written by the collective itself, and autograd
+    counts that write as a mutation of a tensor it may have saved, when the work completes: for
+    an async gather, on another thread and in ``wait``. The write refills what was there, so its
+    version counter is put back, after the wait, to what it was when the gather was issued
+    (``keepers``, each made at issue)."""
 
     params: Sequence[HSDPParam]
     works: list[dist.Work | None]
     outputs: list[torch.Tensor | None]
     fused: bool
     done: bool = False
+    keepers: list[Any] = field(default_factory=list)  # version keepers of params gathered in place
 
     def wait(self) -> None:
         if self.done:
             return
         for work in self.works:
             _wait(work)
+        for keeper in self.keepers:
+            keeper.__exit__(None, None, None)
         if self.fused:
             self._copy_out_fused()
         else:
@@ -80,12 +90,13 @@ class AllGather:
 
 
 def start_all_gather(params: Sequence[HSDPParam], mesh_info: MeshInfo, fused: bool, async_op: bool) -> AllGather:
-    """Allocate the unsharded params and start gathering the sharded ones into them."""
-    for param in params:
-        param.alloc_unsharded()
+    """Start gathering the sharded params. An unsharded param is allocated when it is filled: now
+    when it is replicated or gathered in place, else when the gather is waited for (so a prefetched
+    gather holds only its buffers until then)."""
     replicated = [p for p in params if p.is_replicated]
     sharded = [p for p in params if not p.is_replicated]
     for param in replicated:
+        param.alloc_unsharded()
         param.copy_replicated_in()
         param.note_gathered()
     if not sharded:
@@ -93,21 +104,21 @@ def start_all_gather(params: Sequence[HSDPParam], mesh_info: MeshInfo, fused: bo
     group = mesh_info.shard_group
     if fused and len(sharded) > 1:
         return _start_fused_all_gather(sharded, group, async_op)
-    works, outputs = [], []
+    works, outputs, keepers = [], [], []
     for param in sharded:
         send = torch.empty(param.padded_shard_numel, dtype=param.param_dtype, device=param.device)
         param.copy_shard_into(send)
         if param.gathers_in_place:
-            with param.hidden_writes():
-                recv = param.unsharded_local.detach().view(-1)
-                work = _all_gather_flat(recv, send, group, async_op)
-            works.append(work)
+            param.alloc_unsharded()
+            keepers.append(param.hidden_writes())  # the version now, restored when waited for
+            recv = param.unsharded_local.detach().view(-1)
+            works.append(_all_gather_flat(recv, send, group, async_op))
             outputs.append(None)
             continue
         recv = torch.empty(param.world * param.padded_shard_numel, dtype=param.param_dtype, device=param.device)
         works.append(_all_gather_flat(recv, send, group, async_op))
         outputs.append(recv)
-    return AllGather(sharded, works, outputs, fused=False)
+    return AllGather(sharded, works, outputs, fused=False, keepers=keepers)
 
 
 def _start_fused_all_gather(params: Sequence[HSDPParam], group: dist.ProcessGroup, async_op: bool) -> AllGather:
@@ -120,12 +131,13 @@ def _start_fused_all_gather(params: Sequence[HSDPParam], group: dist.ProcessGrou
     (dtype,) = dtypes
     device = params[0].device
     total = sum(p.padded_shard_numel for p in params)
-    send = torch.empty(total, dtype=dtype, device=device)
+    recv = torch.empty(params[0].world * total, dtype=dtype, device=device)
+    # this rank's part of the output is the input: no separate send buffer
+    send = recv.narrow(0, params[0].mesh_info.shard_rank * total, total)
     offset = 0
     for param in params:
         param.copy_shard_into(send[offset : offset + param.padded_shard_numel])
         offset += param.padded_shard_numel
-    recv = torch.empty(params[0].world * total, dtype=dtype, device=device)
     work = _all_gather_flat(recv, send, group, async_op)
     return AllGather(params, [work], [recv], fused=True)
 

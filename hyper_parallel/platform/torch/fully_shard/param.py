@@ -264,7 +264,8 @@ class HSDPParam:
         return not self.is_replicated and self.dim == 0 and not self.has_padding
 
     def copy_gathered_out(self, gathered: torch.Tensor) -> None:
-        """Fill the unsharded param from an all-gather output viewed as [world, padded numel]."""
+        """Allocate and fill the unsharded param from an all-gather output viewed as [world, padded numel]."""
+        self.alloc_unsharded()
         with torch.no_grad(), self.hidden_writes():
             if self._rank_major:
                 self.unsharded_local.view(self.world, -1).copy_(gathered)

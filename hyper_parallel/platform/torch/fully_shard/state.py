@@ -3,7 +3,9 @@
 A module's forward pre-hook casts inputs, unshards its group and attaches a post-backward
 trigger to the inputs that need grad; its forward hook reshards (unless it is a root -- the
 first sharded module whose forward ran -- or ``reshard_after_forward`` is off), casts outputs
-and hooks the outputs so the group is unsharded again before its backward runs. The
+and hooks the outputs so the group is unsharded again before its backward runs; that
+pre-backward hook also starts the all-gather of the group backward reaches next (the one whose
+forward finished just before), unless explicit backward-prefetch lists are set. The
 post-backward trigger fires when the
 grads w.r.t. the module's inputs are done, which is after its params' grads; modules whose
 inputs need no grad (the first layer) are finished by a callback at the end of backward.
@@ -45,6 +47,9 @@ class _IterationContext:
     def __init__(self) -> None:
         # States whose forward ran with grad enabled since the last end of backward (ordered).
         self.states_in_iteration: dict[HSDPState, None] = {}
+        # States whose forward with grad finished since the last end of backward, in that order,
+        # with how many times: backward reaches them in reverse (implicit backward prefetch).
+        self.forward_order: dict[HSDPState, int] = {}
         self.final_callback_queued = False
 
     def recover_if_abandoned(self) -> None:
@@ -54,7 +59,24 @@ class _IterationContext:
             for state in self.states_in_iteration:
                 state.training_state = TrainingState.IDLE
             self.states_in_iteration.clear()
+            self.forward_order.clear()
             self.final_callback_queued = False
+
+    def next_in_backward(self, state: HSDPState) -> list[HSDPState]:
+        """The group backward reaches after ``state``'s (the one whose forward finished just before),
+        to prefetch: only when both ran forward once since the last backward and the target is
+        still to be finished this backward (its post-backward, or the end of backward, reshards it)."""
+        if self.forward_order.get(state) != 1:
+            return []
+        order = list(self.forward_order)
+        index = order.index(state)
+        if index == 0:
+            return []
+        target = order[index - 1]
+        group = target.param_group
+        if self.forward_order[target] != 1 or group is None or not group.used_since_post_backward:
+            return []
+        return [target]
 
     def queue_final_callback(self) -> None:
         if self.final_callback_queued:
@@ -74,6 +96,7 @@ class _IterationContext:
             if state.param_group is not None and state.is_last_backward:
                 state.param_group.finish_reductions()
         self.states_in_iteration.clear()
+        self.forward_order.clear()
         self.final_callback_queued = False
 
 
@@ -214,6 +237,8 @@ class HSDPState:
             if self.param_group is not None and self._reshards_after_forward():
                 self.param_group.reshard()
             self.training_state = TrainingState.IDLE
+            if torch.is_grad_enabled():
+                ITERATION.forward_order[self] = ITERATION.forward_order.get(self, 0) + 1
         output = _cast_floating(output, self.mp_policy.output_dtype)
         if torch.is_grad_enabled():
             for tensor in pytree.tree_leaves(output):
@@ -242,12 +267,18 @@ class HSDPState:
 
     # -- backward ---------------------------------------------------------------------------
     def _pre_backward(self, grad: torch.Tensor) -> None:
+        # Register again: a pipeline schedule runs several forwards, then one backward per
+        # microbatch, and the end of the first backward forgets the states of the iteration;
+        # a group whose inputs need no grad (the first stage) is finished only by the
+        # end-of-backward callback, so every backward that reaches it must list it.
+        ITERATION.states_in_iteration[self] = None
         ITERATION.queue_final_callback()
         self.training_state = TrainingState.PRE_BACKWARD
         if self.param_group is not None:
             self.param_group.unshard()
             self.param_group.wait_for_unshard()
-        for target in self.backward_prefetch:
+        # explicit lists replace the implicit prefetch of the next group backward reaches
+        for target in self.backward_prefetch or ITERATION.next_in_backward(self):
             target.prefetch()
 
     def post_backward(self) -> None:
