@@ -283,6 +283,24 @@ def expert_name_map(model: nn.Module) -> dict[str, str]:
 # Losses
 
 
+def expert_params(model: nn.Module, names: dict[str, str]) -> dict[str, dict[str, nn.Parameter]]:
+    """The experts a (possibly expert-parallel) model holds, by global expert name
+    (``layers.1.ffn.experts.<global id>``), each with its params keyed by the full model's names
+    (``names``: ``expert_name_map(model)``)."""
+    experts: dict[str, dict[str, nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        full_name = names.get(name, name)
+        if ".experts." in full_name:
+            expert = full_name.rsplit(".", 2)[0]  # drop "<projection>.weight"
+            experts.setdefault(expert, {})[full_name] = param
+    return experts
+
+
+def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The sum of the tokens' cross entropies (divide by a global token count for a global mean)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+
+
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy over all tokens of [..., V] logits (the unchunked reference)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -568,6 +586,16 @@ def token_batch(
     """(tokens [B, S], targets [B, S]) where targets are the next tokens of one drawn sequence."""
     ids = torch.randint(0, vocab, (batch, seq + 1), generator=_generator(seed, step, rank))
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def global_token_batch(
+    step: int, rank: int, world: int, batch: int, seq: int, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's (tokens, targets) and every rank's concatenated, in rank order (the global batch a
+    single-device baseline trains on)."""
+    every = [token_batch(step, r, batch, seq, vocab) for r in range(world)]
+    tokens, targets = every[rank]
+    return tokens, targets, torch.cat([t for t, _ in every]), torch.cat([t for _, t in every])
 
 
 def image_batch(

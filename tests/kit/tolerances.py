@@ -40,6 +40,7 @@ SPECIFIC: dict[str, float] = {
     "custom placement": 1e-5,  # L1-07
     "fp32 main grad": 1e-5,  # L1-13
     "per expert": 1e-4,  # L2-10 / L3-03 per-expert grad norm
+    "dense grad norm under EP": 1e-5,  # L3-03: the dense layers' grad norm
 }
 
 

@@ -266,15 +266,16 @@ def _keep(
 def train_alone(
     model: nn.Module,
     batches: Sequence[Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
     trajectory: dict[str, torch.Tensor] | None = None,
     model_step: Callable[[Any, Any], torch.Tensor] | None = None,
+    names: Mapping[str, str] | None = None,
 ) -> torch.optim.Optimizer:
     """``train_against`` without a baseline or checks: the same steps of the model alone, keeping its
-    trajectory (a bitwise rerun of a run the baseline already judged)."""
+    trajectory by the same names (a bitwise rerun of a run the baseline already judged)."""
     optimizer = (make_optimizer or _adam)(model.parameters())
-    stepped = named_params(model)
+    stepped = compared_params(model, names)
     model_step = model_step or _forward_backward(loss_fn)
     for step, batch in enumerate(batches):
         loss = model_step(model, batch)

@@ -21,12 +21,20 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from tests.kit.case import CaseContext, case
 from tests.kit.checks import device_type
-from tests.kit.networks import Decoder, DecoderConfig, expert_name_map, moe_modules, split_experts, token_batch
+from tests.kit.networks import (
+    Decoder,
+    DecoderConfig,
+    expert_name_map,
+    expert_params,
+    global_token_batch,
+    moe_modules,
+    split_experts,
+    summed_cross_entropy,
+)
 from tests.kit.recorder import record_collectives
 from tests.kit.surface import impl
 from tests.kit.tolerances import specific
@@ -49,30 +57,10 @@ def _device() -> torch.device:
 
 def _batches(rank: int, world: int, device: torch.device) -> list[Batch]:
     """Per step: this rank's tokens and targets (they differ per rank and step) and the global batch."""
-    batches = []
-    for step in range(STEPS):
-        every = [token_batch(step, r, BATCH, SEQ, CONFIG.vocab) for r in range(world)]
-        tokens, targets = every[rank]
-        global_tokens, global_targets = torch.cat([t for t, _ in every]), torch.cat([t for _, t in every])
-        batches.append(tuple(t.to(device) for t in (tokens, targets, global_tokens, global_targets)))
-    return batches
-
-
-def _summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The sum of the tokens' cross entropies."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
-
-
-def _expert_params(model: nn.Module, names: dict[str, str]) -> dict[str, dict[str, nn.Parameter]]:
-    """The held experts' params by global expert (``layers.1.ffn.experts.<global id>``), keyed by the
-    full model's param names."""
-    experts: dict[str, dict[str, nn.Parameter]] = {}
-    for name, param in model.named_parameters():
-        full_name = names.get(name, name)
-        if ".experts." in full_name:
-            expert = full_name.rsplit(".", 2)[0]  # drop "<projection>.weight"
-            experts.setdefault(expert, {})[full_name] = param
-    return experts
+    return [
+        tuple(t.to(device) for t in global_token_batch(step, rank, world, BATCH, SEQ, CONFIG.vocab))
+        for step in range(STEPS)
+    ]
 
 
 @case(
@@ -113,7 +101,7 @@ def ep_fsdp_coupling(ctx: CaseContext) -> None:
     tokens = torch.tensor(batches[0][0].numel(), device=device)
     dist.all_reduce(tokens)
     global_tokens = int(tokens.item())
-    experts = _expert_params(model, names)
+    experts = expert_params(model, names)
     ctx.require("this rank holds its ep share of the experts", len(experts) == CONFIG.experts // ep_size)
     dispatches: list[int] = []
 
@@ -121,7 +109,7 @@ def ep_fsdp_coupling(ctx: CaseContext) -> None:
         """This rank's share of the global mean loss, backward; returns the global loss (all ranks)."""
         tokens, targets = batch[0], batch[1]
         with record_collectives() as recorder:
-            loss = _summed_cross_entropy(module(tokens), targets) / global_tokens
+            loss = summed_cross_entropy(module(tokens), targets) / global_tokens
             loss.backward()
         dispatches.append(len([c for c in recorder.of("all_to_all") if c.group_size == ep_size]))
         total = loss.detach().clone()
@@ -129,7 +117,7 @@ def ep_fsdp_coupling(ctx: CaseContext) -> None:
         return total
 
     def reference_loss(ref: nn.Module, batch: Batch) -> torch.Tensor:
-        return _summed_cross_entropy(ref(batch[2]), batch[3]) / global_tokens
+        return summed_cross_entropy(ref(batch[2]), batch[3]) / global_tokens
 
     def per_expert(step: int) -> None:
         where = f"step {step}"

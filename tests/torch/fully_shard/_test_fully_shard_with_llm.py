@@ -18,12 +18,30 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tests.kit.case import CaseContext, case
 from tests.kit.determinism import Run, rerun_bitwise
-from tests.kit.networks import CE_CHUNK, LLM_SEQ, chunked_ce_decoder, cross_entropy_loss, llm_decoder, token_batch
+from tests.kit.networks import (
+    CE_CHUNK,
+    LLM_SEQ,
+    MOE_SEQ,
+    chunked_ce_decoder,
+    cross_entropy_loss,
+    expert_name_map,
+    expert_params,
+    global_token_batch,
+    llm_decoder,
+    moe_decoder,
+    moe_modules,
+    split_experts,
+    summed_cross_entropy,
+    token_batch,
+)
+from tests.kit.recorder import record_collectives
 from tests.kit.reference import ddp_of
+from tests.kit.surface import impl
 from tests.kit.tolerances import Tolerance, specific
 from tests.kit.training import (
     differs_across_ranks,
@@ -211,3 +229,126 @@ def chunked_ce_fsdp_vs_ddp(ctx: CaseContext) -> None:
 def chunked_ce_hsdp(ctx: CaseContext) -> None:
     """L3-05 on its other mesh shape: HSDP (replicate 2 x shard 2) against DDP over the 4 ranks."""
     rerun_bitwise(ctx, _chunked_ce_trains_like_ddp(ctx.mesh, ctx.tol))
+
+
+MOE_BATCH = 2  # sequences of MOE_SEQ tokens per rank
+
+
+def _moe_trains_like_single_device(ctx: CaseContext) -> Run:
+    """The L3-03 body on the case's (replicate, fsdp, ep) mesh: experts split over ep (an all-to-all
+    dispatches each token to its experts' owner) and fully_shard over (replicate, fsdp) inside their
+    ep rank; dense params (attention, norms, router, embedding / head) over (replicate, fsdp x ep).
+    Every group reduces by sum, every rank's loss is its summed cross entropy over the global token
+    count (their sum is the global mean loss; see _test_fully_shard_with_ep.py); 2 AdamW steps
+    against the single-device model holding every expert, on the global batch."""
+    replicas, fsdp, ep = impl.mesh_shape(ctx.mesh)
+    ep_rank, ep_group = impl.local_rank(ctx.mesh, "ep"), impl.process_group(ctx.mesh, "ep")
+    expert_mesh = ctx.submesh("replicate", "fsdp")
+    dense_mesh = ctx.mesh_of(replicate=replicas, dense=fsdp * ep)  # (replicate, fsdp x ep) flattened
+    tol = ctx.tol
+
+    def run(run_ctx: CaseContext, compare: bool) -> Trajectory:
+        model = moe_decoder()
+        reference = moe_decoder() if compare else None  # same seed: the same weights, all experts
+        split_experts(model, ep_group, ep, ep_rank)
+        names = expert_name_map(model)
+        moes = [moe for _, moe in moe_modules(model)]
+        for moe in moes:
+            for expert in moe.experts:
+                impl.fully_shard(expert, mesh=expert_mesh)
+        shard_nested(model, model.layers, mesh=dense_mesh)
+        model.set_reduce_op_type("sum")  # every group below too
+        vocab = model.config.vocab
+        world = run_ctx.world_size
+        batches = [global_token_batch(step, run_ctx.rank, world, MOE_BATCH, MOE_SEQ, vocab) for step in range(STEPS)]
+        global_tokens = batches[0][2].numel()
+        seen: list[tuple[int, int]] = []
+
+        def model_step(module: nn.Module, batch: tuple) -> torch.Tensor:
+            """This rank's share of the global mean loss, backward; returns the global loss."""
+            with record_collectives() as rec:
+                loss = summed_cross_entropy(module(batch[0]), batch[1]) / global_tokens
+                loss.backward()
+            seen.append((len([c for c in rec.of("all_to_all") if c.group_size == ep]), len(rec.of("all_gather"))))
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            return total
+
+        trajectory: Trajectory = {}
+        if not compare:
+            train_alone(model, batches, None, adamw, trajectory, model_step=model_step, names=names)
+            return trajectory
+        run_ctx.require("ranks' tokens differ", differs_across_ranks(batches[0][0]))
+        experts = expert_params(model, names)
+
+        def per_expert(step: int) -> None:
+            where = f"step {step}"
+            dispatched, gathered = seen[-1]
+            run_ctx.true(f"{where}: all-to-alls over ep and all-gathers both ran", dispatched > 0 and gathered > 0)
+            for index, moe in enumerate(moes):
+                counts = moe.tokens_per_expert.clone()
+                dist.all_reduce(counts)
+                run_ctx.require(
+                    f"{where} MoE {index}: tokens per expert uneven, none empty",
+                    len(set(counts.tolist())) > 1 and bool((counts > 0).all()),
+                    str(counts.tolist()),
+                )
+            every = dict(reference.named_parameters())
+            for expert, params in experts.items():
+                ref_params = {name: every[name] for name in params}
+                norms = grad_norm(params), grad_norm(ref_params)
+                run_ctx.close(f"{where} grad norm {expert}", *norms, specific("per expert"))
+            dense = {full: p for ours, p in model.named_parameters() if ".experts." not in (full := names[ours])}
+            ref_dense = {name: every[name] for name in dense}
+            norms = grad_norm(dense), grad_norm(ref_dense)
+            run_ctx.close(f"{where} dense grad norm", *norms, specific("dense grad norm under EP"))
+
+        train_against(
+            run_ctx,
+            model,
+            reference,
+            batches,
+            lambda ref, batch: summed_cross_entropy(ref(batch[2]), batch[3]) / global_tokens,
+            tol,
+            make_optimizer=adamw,
+            params=False,
+            model_step=model_step,
+            names=names,
+            after_backward=per_expert,
+            trajectory=trajectory,
+        )
+        return trajectory
+
+    return run
+
+
+@case(
+    "L3-03",
+    "test_moe_llm_ep_fsdp_vs_ddp",
+    world_size=4,
+    mesh={"replicate": 1, "fsdp": 2, "ep": 2},
+    config="EP + FSDP fp32",
+    needs=("expert_parallel", "submesh", "reduce_op_type", "hsdp"),
+)
+def moe_llm_ep_fsdp(ctx: CaseContext) -> None:
+    """The 4-layer MoE decoder (2 dense FFN + 2 MoE layers: 4 experts, top-2, expert dim 512; hidden
+    256, seq 64) on the 3-D (replicate 1, fsdp 2, ep 2) mesh against the single-device model:
+    total loss and per-expert grad norms within 1e-4, the dense layers' grad norm within 1e-5,
+    every grad element-wise (1e-4), at step 0 and 1; all-to-alls and all-gathers in one step with no
+    collective error; bitwise rerun."""
+    rerun_bitwise(ctx, _moe_trains_like_single_device(ctx))
+
+
+@case(
+    "L3-03-HSDP",
+    "test_moe_llm_ep_fsdp_vs_ddp_hsdp_layout",
+    world_size=4,
+    mesh={"replicate": 2, "fsdp": 1, "ep": 2},
+    config="EP + FSDP fp32",
+    needs=("expert_parallel", "submesh", "reduce_op_type", "hsdp"),
+)
+def moe_llm_ep_hsdp(ctx: CaseContext) -> None:
+    """L3-03's other layout, (replicate 2, fsdp 1, ep 2): dense params HSDP over (replicate 2, fsdp x ep
+    2) instead of FSDP over 4, and each expert whole on the ranks holding it, all-reduced over the
+    replicate dim instead of sharded over fsdp."""
+    rerun_bitwise(ctx, _moe_trains_like_single_device(ctx))
