@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from tests.kit.surface import impl
 
 
 @dataclass
@@ -38,11 +39,12 @@ class MemoryPeak:
 
 
 def _storage(tensor: Any) -> torch.UntypedStorage | None:
-    """The storage behind a tensor (a DTensor's local shard), or None (no storage, fake or meta)."""
+    """The storage behind a tensor (a sharded tensor's local shard, read through the implementation
+    surface), or None (no storage, fake or meta)."""
     if not isinstance(tensor, torch.Tensor):
         return None
-    if isinstance(tensor, DTensor):
-        tensor = tensor._local_tensor
+    if impl.is_sharded(tensor):
+        tensor = impl.local(tensor)
     try:
         storage = tensor.untyped_storage()
     except (RuntimeError, NotImplementedError):
@@ -131,15 +133,16 @@ class _Handle:
 
 
 class _LiveStorages(TorchDispatchMode):
-    """Counts the storage of every tensor an op takes or returns (DTensor ops: their local ops)."""
+    """Counts the storage of every tensor an op takes or returns (ops on tensor subclasses, such as a
+    sharded tensor: the local ops they run)."""
 
     def __init__(self, counter: _StorageBytes) -> None:
         super().__init__()
         self._counter = counter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if DTensor in types:
-            return NotImplemented  # DTensor runs and its local ops come back here
+        if any(kind.__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl for kind in types):
+            return NotImplemented  # a subclass with a dispatch of its own runs; its local ops come back here
         kwargs = kwargs or {}
         for value in tree_leaves((args, kwargs)):
             storage = _storage(value)
