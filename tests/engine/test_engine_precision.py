@@ -1,4 +1,4 @@
-"""Engine mixed-precision tests: the policy combinations no plan case trains (the MP rows of CASES.md
+"""Engine mixed-precision tests: the policy combinations no plan case trains (the MP rows of the plan, docs/cases.md
 are L0-10, L1-10..L1-13). Rank bodies live in ``_ranks_precision.py``."""
 
 from __future__ import annotations

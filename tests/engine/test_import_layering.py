@@ -1,4 +1,4 @@
-"""The package's import direction (DESIGN 2): core.api -> platform -> core.utils, never back."""
+"""The package's import direction (docs/architecture.md): core.api -> platform -> core.utils, never back."""
 
 from __future__ import annotations
 

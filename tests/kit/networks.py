@@ -1,7 +1,7 @@
 """The plan's real networks (L2/L3), written once: decoder LLMs (dense, MoE, chunked CE), ViT, multimodal.
 
 Every model is built from a seed (``torch.manual_seed`` inside the constructor, as in models.py), in
-fp32 on the CPU; move it with ``.to(device)``. Presets (CASES.md, L3):
+fp32 on the CPU; move it with ``.to(device)``. Presets (the plan's L3 rows, docs/cases.md):
 
 - ``llm_decoder()``: L3-01/02, 4 layers, vocab 1024, hidden 256 (data: seq ``LLM_SEQ``).
 - ``moe_decoder()``: L3-03 (and L2-10), layers 1 and 3 MoE with 4 experts, top-2, expert dim 2 x hidden.

@@ -1,4 +1,4 @@
-"""Contract tests of the warm RankCluster (tests/kit/cluster.py, DESIGN.md section 5).
+"""Contract tests of the warm RankCluster (tests/kit/cluster.py; docs/architecture.md, "The cluster").
 
 Most tests share the session ``cluster`` fixture; only the leftover-process test starts
 clusters of its own (in driver subprocesses, one engine each).

@@ -1,4 +1,4 @@
-"""The one tolerance registry: the precision matrix of CASES.md, plus its case-specific rows.
+"""The one tolerance registry: the plan's precision matrix (docs/cases.md), plus its case-specific rows.
 
 Cases and tests name a configuration; they never write an ``atol=`` of their own. A change
 here is a visible diff, with its triage in the commit message. Tolerances are absolute:
@@ -31,7 +31,7 @@ PRECISION_MATRIX: dict[str, Tolerance] = {
     "PP + FSDP fp32": Tolerance(loss=1e-5, grad=1e-5),
 }
 
-# Case-specific rows of CASES.md, part of the same registry.
+# Case-specific rows of the plan, part of the same registry.
 SPECIFIC: dict[str, float] = {
     "comm fusion equivalence": 1e-6,  # L1-08: fused vs unfused loss and grads
     "replica agreement": 1e-6,  # L1-02: grads of the replica groups with all-reduce on
@@ -53,7 +53,7 @@ def tolerance(config: str) -> Tolerance:
 
 
 def specific(name: str) -> float:
-    """A case-specific tolerance of CASES.md."""
+    """A case-specific tolerance of the plan."""
     try:
         return SPECIFIC[name]
     except KeyError:

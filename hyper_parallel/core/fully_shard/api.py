@@ -159,7 +159,7 @@ def fully_shard(
     """Shard ``module``'s params over ``mesh`` (1-D: FSDP, 2-D: HSDP) and hook its forward.
 
     A list shards each module as its own independently controlled group and returns a list.
-    See DESIGN.md section 3 for every argument.
+    docs/architecture.md ("The fully_shard contract") describes every argument.
     """
     modules = _check_modules(module)
     mesh = _check_mesh(mesh)
