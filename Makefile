@@ -13,9 +13,9 @@ setup:
 	$(PIP) -e ".[test]"
 	$(PYTHON) kernels/install.py
 
-# The main job: every case of every level through papermill on one warm cluster.
+# The main job: every case of every level through papermill on one warm cluster (e.g. SWEEP_ARGS="--levels L0").
 sweep: setup
-	IPP_NONINTERACTIVE=1 $(PYTHON) -m tests.kit.sweep
+	IPP_NONINTERACTIVE=1 $(PYTHON) -m tests.kit.sweep $(SWEEP_ARGS)
 
 # Re-record the committed notebooks' outputs (what nbval compares against).
 notebooks: setup

@@ -18,7 +18,8 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from tests.kit.levels import LEVELS  # noqa: E402  (the repo root is on sys.path only now)
+from tests.kit.evidence import KernelMissing, resolve_kernel  # noqa: E402  (the repo root is on sys.path only now)
+from tests.kit.levels import LEVELS  # noqa: E402
 
 KERNEL = {"name": "hyper-parallel-kit", "display_name": "hyper-parallel-kit (Python 3)", "language": "python"}
 
@@ -65,7 +66,7 @@ rank1.pull("bad", block=True)
 or, with the `%px` magics of ipyparallel (`cluster.view().activate()` first):
 
 ```python
-%%px --targets 1
+%%px --targets 1 --block
 print(case_ctx.case.id, [c.name for c in case_ctx.checks if not c.passed])
 ```
 
@@ -108,7 +109,17 @@ def build(level: str) -> nbformat.NotebookNode:
         ),
         new_markdown_cell("## Verdicts\nEvery check of every case; `err` is the worst over ranks."),
         _code("nb.print_verdicts(verdicts)"),
-        _code("from IPython.display import HTML\n\nHTML(nb.verdicts_html(verdicts))", "nbval-ignore-output"),
+        _code(
+            "from IPython.display import HTML\n\nHTML(nb.verdicts_html(verdicts))",
+            "nbval-ignore-output",
+            "verdict-table",
+        ),
+        new_markdown_cell(
+            "## Provenance\nWhat ran on the ranks: the implementation's package file as rank 0 imported it, "
+            "its checkout's commit (dirty: uncommitted changes), torch, backend, ranks, host, date, and the kit's "
+            "commit."
+        ),
+        _code("nb.print_provenance(verdicts)", "nbval-ignore-output", "provenance"),
         new_markdown_cell(
             "## Loss per step against the baseline\nRank 0's loss of each case (crosses) over "
             "its baseline (grey); a red curve belongs to a failed case."
@@ -133,6 +144,15 @@ def main() -> int:
     parser.add_argument("--record", action="store_true", help="execute with papermill, in place")
     parser.add_argument("--levels", default=",".join(LEVELS), help="comma-separated levels")
     args = parser.parse_args()
+    kernel = KERNEL["name"]
+    if args.record:
+        try:
+            kernel, note = resolve_kernel(kernel)
+        except KernelMissing as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        if note:
+            print(note, file=sys.stderr)
     for level in args.levels.split(","):
         path = HERE / LEVELS[level].notebook_file
         nbformat.write(build(level), path)
@@ -140,7 +160,13 @@ def main() -> int:
         if args.record:
             import papermill
 
-            papermill.execute_notebook(str(path), str(path), cwd=str(HERE), execution_timeout=1200)
+            papermill.execute_notebook(
+                str(path), str(path), kernel_name=kernel, cwd=str(HERE), execution_timeout=1200, progress_bar=False
+            )
+            if kernel != KERNEL["name"]:  # the committed notebooks stay on the kit's kernel
+                recorded = nbformat.read(path, as_version=4)
+                recorded.metadata["kernelspec"] = KERNEL
+                nbformat.write(recorded, path)
             print(f"recorded {path}")
     return 0
 

@@ -11,7 +11,8 @@ replicated params, switching comm fusion off, fp32 main grads, ``Replicate()`` p
 ``zero_grad`` of locally accumulated (unsynced) grads, and ``set_requires_all_reduce(False)`` as
 the plan means it (HSDP grads reduce-scattered within the replica group and usable as they are:
 FSDP2 instead holds the partial result back and leaves ``.grad`` unset until an all-reducing
-backward, a gradient-accumulation device).
+backward, a gradient-accumulation device), and refusing every bad argument before any change
+(FSDP2 checks some, not all: ``CPUOffloadPolicy(pin_memory="yes")`` is accepted).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ LACKING = {
     "placement_replicate",
     "zero_grad",
     "all_reduce_control",
+    "argument_checks",
 }
 
 
