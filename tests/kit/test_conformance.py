@@ -31,13 +31,6 @@ def _judge(spec: str, case_ids: list[str], engines: int = 2, isolate: bool = Fal
         return {case_id: judge_case(cluster, case_id, isolate=isolate) for case_id in case_ids}
 
 
-def test_a_fully_shard_that_raises_is_an_error_everywhere():
-    verdicts = _judge(f"native:{FAKES / 'raising'}", ["L0-01", "L1-03"])
-    for verdict in verdicts.values():
-        assert verdict.status == "ERROR", verdict.report()
-        assert "fully_shard is broken" in verdict.failure
-
-
 def test_refused_features_are_unsupported_and_named():
     verdicts = _judge(f"native:{FAKES / 'refusing'}", ["L0-07", "L1-08", "L1-03"])
     assert verdicts["L0-07"].status == "UNSUPPORTED" and verdicts["L0-07"].unsupported == ["list input"]
@@ -47,11 +40,12 @@ def test_refused_features_are_unsupported_and_named():
 
 
 def test_state_kept_between_cases_is_reported_as_a_leak():
-    warm = _judge(f"native:{FAKES / 'caching'}", ["L0-02", "L1-03"])
+    with RankCluster.start(2, implementation=f"native:{FAKES / 'caching'}") as cluster:
+        warm = {case_id: judge_case(cluster, case_id) for case_id in ("L0-02", "L1-03")}
+        isolated = {case_id: judge_case(cluster, case_id, isolate=True) for case_id in ("L0-02", "L1-03")}
     assert warm["L0-02"].passed, warm["L0-02"].report()
     assert not warm["L1-03"].passed
     assert warm["L1-03"].leak and "PASS alone on fresh engines" in warm["L1-03"].leak, warm["L1-03"].report()
-    isolated = _judge(f"native:{FAKES / 'caching'}", ["L0-02", "L1-03"], isolate=True)
     assert all(v.passed for v in isolated.values()), [v.report() for v in isolated.values()]
 
 
@@ -70,7 +64,7 @@ def test_torch_fsdp2_passes_what_it_has_and_is_unsupported_exactly_where_it_lack
         verdict = verdicts[case.id]
         lacking = sorted(set(case.needs) & LACKING)
         if lacking:
-            assert verdict.status == "UNSUPPORTED" and verdict.unsupported == lacking, verdict.report()
+            assert verdict.status == "UNSUPPORTED" and sorted(verdict.unsupported) == lacking, verdict.report()
         else:
             assert verdict.passed, verdict.report()
 
@@ -92,7 +86,7 @@ def test_the_notebook_parameter_reaches_the_ranks(tmp_path):
             progress_bar=False,
         )
     (row,) = json.loads(results.read_text())
-    assert row["status"] == "ERROR" and "fully_shard is broken" in row["failure"]
+    assert row["status"] == "ERROR" and "fully_shard is broken" in row["failure"]  # never PASS
 
 
 def test_pytest_implementation_option_reaches_the_ranks():
