@@ -404,6 +404,49 @@ MUTANTS: tuple[Mutant, ...] = (
         "            return not self.is_root  # the root's params are needed first in backward anyway\n",
         "            return True\n",
     ),
+    # -- added with the L2 / L3 cases and the engine's later changes ---------------------------------
+    Mutant(
+        "41",
+        API,
+        "reduce op (recurse)",
+        "set_reduce_op_type sets only the module's own group, not the groups below it",
+        "        for group in self._groups(recurse):\n            group.reduce_op = reduce_op_type.lower()\n",
+        "        for group in self._groups(False):\n            group.reduce_op = reduce_op_type.lower()\n",
+    ),
+    Mutant(
+        "42",
+        API,
+        "tied weights",
+        "a param tied into two modules (embedding and output head) is swapped into its first module only",
+        "        plan.slots[id(param)].append((owner, name))\n",
+        "        if not plan.slots[id(param)]:\n            plan.slots[id(param)].append((owner, name))\n",
+    ),
+    Mutant(
+        "43",
+        COLLECTIVES,
+        "async gathers in place (prefetch)",
+        "an async in-place all-gather's write, which lands at completion, is not hidden from autograd",
+        "        for keeper in self.keepers:\n            keeper.__exit__(None, None, None)\n",
+        "",
+    ),
+    Mutant(
+        "44",
+        STATE,
+        "pipeline microbatches",
+        "a backward does not list the groups it reaches: after a pipeline's first backward, a group "
+        "finished only at the end of backward is never reduced",
+        "        ITERATION.states_in_iteration[self] = None\n        ITERATION.queue_final_callback()\n",
+        "        ITERATION.queue_final_callback()\n",
+    ),
+    Mutant(
+        "45",
+        STATE,
+        "implicit backward prefetch",
+        "the implicit backward prefetch takes the group after this one in forward order, whose backward "
+        "already ran",
+        "        target = order[index - 1]\n",
+        "        target = order[min(index + 1, len(order) - 1)]\n",
+    ),
 )
 
 
