@@ -51,10 +51,11 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from tests.kit.memory import peak_memory  # noqa: E402
-from tests.kit.networks import LLM_SEQ, cross_entropy_loss, image_batch, llm_decoder, token_batch, vit  # noqa: E402
+from tests.kit.networks import LLM_SEQ, cross_entropy_loss, llm_decoder, token_batch  # noqa: E402
 from tests.kit.recorder import record_collectives  # noqa: E402
 from tests.kit.surface import Implementation, load, parse_spec  # noqa: E402
 from tests.kit.tolerances import tolerance  # noqa: E402
+from tests.kit.vision import image_batch, vit  # noqa: E402
 
 ENGINES = {"ours": "", "fsdp2": "torch"}  # name -> implementation spec of the kit's surface
 Batch = tuple[torch.Tensor, torch.Tensor]

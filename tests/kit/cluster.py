@@ -73,7 +73,6 @@ __all__ = ["RankCluster", "RankFailure", "REPO_ROOT", "keep"]
 STORE_HOST_ENV = "HPKIT_STORE_HOST"  # address engines use to reach the driver's TCPStore
 _POLL_S = 0.25  # how often a run checks engine liveness while it waits
 _PEER_GRACE_S = 3.0  # after one rank fails, how long its peers get to finish or fail too
-_INTERRUPT_GRACE_S = 2.0  # after SIGINT, how long a stuck rank gets before it is killed
 
 
 def _ipp() -> Any:
@@ -296,7 +295,7 @@ class RankCluster:
             try:
                 results, errors, dead, pending = self._wait(ars, t0 + timeout)
             except BaseException:  # Ctrl-C, pytest-timeout: never leave ranks running
-                self._settle(ars, [r for r in ranks if not ars[r].done()], {})
+                self.pool.settle(ars, [r for r in ranks if not ars[r].done()], {})
                 raise
             if not errors and not dead and not pending:
                 forget(self.client, ars.values())
@@ -435,7 +434,7 @@ class RankCluster:
             headline.append(f"rank {r} raised {line}")
             texts[r] = f"rank {r} raised {line}\n{format_remote_error(exc)}{task_output(ars[r])}"
         stuck = sorted(pending)
-        notes = self._settle(ars, stuck, texts, elapsed=elapsed, timed_out=timed_out, dead=dead)
+        notes = self.pool.settle(ars, stuck, texts, elapsed=elapsed, timed_out=timed_out, dead=dead)
         if timed_out:
             headline.insert(0, f"timed out after {timeout:g} s with ranks {stuck} still running")
         elif stuck:
@@ -445,42 +444,3 @@ class RankCluster:
             summary += f" [{notes}]"
         raised = {r: error_parts(exc) for r, exc in errors.items()}
         return RankFailure(summary, texts, elapsed, raised=raised, dead=set(dead), timed_out=timed_out)
-
-    def _settle(
-        self,
-        ars: dict[int, Any],
-        stuck: list[int],
-        texts: dict[int, str],
-        *,
-        elapsed: float | None = None,
-        timed_out: bool = False,
-        dead: Iterable[int] = (),
-    ) -> str:
-        """Dump stacks of stuck ranks, interrupt them, kill+restart what stays stuck or died."""
-        restart = {r for r in ars if not self.pool.alive(r)} | set(dead)
-        if stuck:
-            stacks = self.pool.dump_stacks(stuck)
-            for r in stuck:
-                when = f" at {elapsed:.1f} s" if elapsed is not None else ""
-                state = "timed out" if timed_out else "still running"
-                stack = stacks.get(r) or "(no stack)"
-                texts[r] = f"rank {r} {state}; Python stack{when}:\n{stack}{task_output(ars[r])}"
-            self.pool.interrupt(stuck)
-            end = time.monotonic() + _INTERRUPT_GRACE_S
-            left = [r for r in stuck if not ars[r].done()]
-            while left and time.monotonic() < end:
-                concurrent.futures.wait([ars[r] for r in left], timeout=0.1)
-                left = [r for r in left if not ars[r].done()]
-            restart |= set(left)
-            for r in stuck:
-                if r not in left:
-                    texts[r] += "\n(interrupted with SIGINT; engine kept)"
-        restart |= {r for r in ars if not self.pool.alive(r)}
-        forget(self.client, ars.values())
-        if not restart:
-            return ""
-        ranks = sorted(restart)
-        for r in ranks:
-            if r in stuck and r in texts:
-                texts[r] += "\n(did not answer SIGINT: engine killed and restarted)"
-        return self.pool.restart(ranks)

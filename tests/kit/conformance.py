@@ -25,8 +25,8 @@ from typing import Any
 from tests.kit.case import Case
 from tests.kit.cluster import RankCluster
 from tests.kit.levels import LEVELS
-from tests.kit.notebook import select_cases, summarize
-from tests.kit.surface import parse_spec
+from tests.kit.notebook import select, summarize
+from tests.kit.surface import parse_implementations
 from tests.kit.verdict import judge_case
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,21 +38,6 @@ _COLOURS = {
     "TIMEOUT": "#fff1c2",
     "DIED": "#fff1c2",
 }
-
-
-def parse_implementations(items: list[str]) -> dict[str, str]:
-    """``NAME=SPEC`` items -> name -> normalised spec ('' = ours). A bare SPEC is named by itself."""
-    named: dict[str, str] = {}
-    for item in items:
-        name, sep, spec = item.partition("=")
-        if not sep:
-            name, spec = item or "ours", item
-        if not name:
-            raise ValueError(f"--implementation {item!r}: empty name")
-        if name in named:
-            raise ValueError(f"--implementation {item!r}: the name {name!r} is given twice")
-        named[name] = str(parse_spec(spec)) if spec else ""
-    return named
 
 
 def run_implementation(
@@ -142,8 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")
     implementations = parse_implementations(args.implementation or ["ours="])
-    wanted = {c.strip() for c in args.cases.split(",") if c.strip()}
-    cases = [c for level in args.levels.split(",") for c in select_cases(level.strip()) if not wanted or c.id in wanted]
+    cases = select([level.strip() for level in args.levels.split(",") if level.strip()], args.cases)
     out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
 
     def progress(name: str, verdict: Any) -> None:

@@ -10,6 +10,7 @@ cluster owns carries ``HPKIT_OWNER=<token>`` in its environment, which is how th
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -24,12 +25,13 @@ from typing import Any
 
 import psutil
 
-from tests.kit.diagnosis import RankFailure, format_stack, tail
+from tests.kit.diagnosis import RankFailure, format_stack, tail, task_output
 from tests.kit.rank_runtime import engine_boot
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 OWNER_ENV = "HPKIT_OWNER"  # token in the environment of every process a started cluster owns
 _STACK_WAIT_S = 2.0  # how long to wait for faulthandler to write a signalled stack
+_INTERRUPT_GRACE_S = 2.0  # after SIGINT, how long a stuck rank gets before it is killed
 
 
 @dataclass
@@ -273,6 +275,45 @@ class EnginePool:
             return ""
         path = os.path.join(self.cluster.profile_dir, "log", f"ipengine-{self.cluster.cluster_id}-rank{rank}-0.log")
         return tail(path)
+
+    def settle(
+        self,
+        ars: dict[int, Any],
+        stuck: list[int],
+        texts: dict[int, str],
+        *,
+        elapsed: float | None = None,
+        timed_out: bool = False,
+        dead: Iterable[int] = (),
+    ) -> str:
+        """Dump stacks of stuck ranks, interrupt them, kill+restart what stays stuck or died."""
+        restart = {r for r in ars if not self.alive(r)} | set(dead)
+        if stuck:
+            stacks = self.dump_stacks(stuck)
+            for r in stuck:
+                when = f" at {elapsed:.1f} s" if elapsed is not None else ""
+                state = "timed out" if timed_out else "still running"
+                stack = stacks.get(r) or "(no stack)"
+                texts[r] = f"rank {r} {state}; Python stack{when}:\n{stack}{task_output(ars[r])}"
+            self.interrupt(stuck)
+            end = time.monotonic() + _INTERRUPT_GRACE_S
+            left = [r for r in stuck if not ars[r].done()]
+            while left and time.monotonic() < end:
+                concurrent.futures.wait([ars[r] for r in left], timeout=0.1)
+                left = [r for r in left if not ars[r].done()]
+            restart |= set(left)
+            for r in stuck:
+                if r not in left:
+                    texts[r] += "\n(interrupted with SIGINT; engine kept)"
+        restart |= {r for r in ars if not self.alive(r)}
+        forget(self.client, ars.values())
+        if not restart:
+            return ""
+        ranks = sorted(restart)
+        for r in ranks:
+            if r in stuck and r in texts:
+                texts[r] += "\n(did not answer SIGINT: engine killed and restarted)"
+        return self.restart(ranks)
 
 
 def _left(deadline: float) -> float:

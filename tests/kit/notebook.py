@@ -38,6 +38,20 @@ def select_cases(level: str, cases: str | Iterable[str] = "all") -> list[Case]:
     return [by_key[w] for w in wanted]
 
 
+def select(levels: list[str], cases: str) -> list[Case]:
+    """The cases of ``levels``, all or those named in ``cases`` (ids or plan names, comma-separated)."""
+    selected = [spec for level in levels for spec in select_cases(level)]
+    if not cases:
+        return selected
+    wanted = [w.strip() for w in cases.split(",") if w.strip()]
+    known = {c.id: c for c in selected} | {c.name: c for c in selected}
+    unknown = [w for w in wanted if w not in known]
+    if unknown:
+        raise ValueError(f"unknown case(s) {unknown} in levels {levels}")
+    picked = {known[w].id for w in wanted}
+    return [c for c in selected if c.id in picked]
+
+
 def _id_key(case_id: str) -> tuple:
     """L1-02 < L1-10; L3-01 < L3-01-FSDP < L3-02; named cases (L0-TP) after the numbered ones."""
     rest = case_id.split("-", 1)[1]

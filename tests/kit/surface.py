@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from tests.kit.levels import LEVELS
+
 IMPLEMENTATION_ENV = "HPKIT_IMPLEMENTATION"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # adapter name in a spec -> its module under tests.kit.adapters ("file" loads a module by path)
@@ -110,6 +112,21 @@ def parse_spec(text: str | None) -> Spec:
     elif adapter in ("upstream", "file"):
         raise ValueError(f"implementation spec {text!r}: the {adapter} adapter needs a path")
     return Spec(adapter, path)
+
+
+def parse_implementations(items: list[str]) -> dict[str, str]:
+    """``NAME=SPEC`` items -> name -> normalised spec ('' = ours)."""
+    named: dict[str, str] = {}
+    for item in items:
+        name, sep, spec = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--implementation {item!r}: expected NAME=SPEC (SPEC '' = ours)")
+        if name in named:
+            raise ValueError(f"--implementation {item!r}: the name {name!r} is given twice")
+        if "/" in name or name in LEVELS:
+            raise ValueError(f"--implementation {item!r}: {name!r} cannot name a folder of the run")
+        named[name] = str(parse_spec(spec)) if spec.strip() else ""
+    return named
 
 
 class Implementation:

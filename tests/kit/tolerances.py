@@ -41,6 +41,9 @@ SPECIFIC: dict[str, float] = {
     "fp32 main grad": 1e-5,  # L1-13
     "per expert": 1e-4,  # L2-10 / L3-03 per-expert grad norm
     "dense grad norm under EP": 1e-5,  # L3-03: the dense layers' grad norm
+    # the kit's own tests of its networks, one process: the same fp32 math in another order
+    # (chunked cross entropy, expert dispatch against a per-token loop)
+    "reordered fp32": 1e-6,
 }
 
 

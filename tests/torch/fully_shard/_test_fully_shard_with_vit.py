@@ -16,7 +16,7 @@ from torch import nn
 
 from tests.kit.case import CaseContext, case
 from tests.kit.determinism import Run, rerun_bitwise
-from tests.kit.networks import Multimodal, image_batch, token_batch, vit
+from tests.kit.networks import token_batch
 from tests.kit.reference import ddp_of
 from tests.kit.surface import impl
 from tests.kit.tolerances import Tolerance
@@ -28,6 +28,7 @@ from tests.kit.training import (
     train_against,
     train_alone,
 )
+from tests.kit.vision import Multimodal, image_batch, vit
 from tests.torch.fully_shard._test_fully_shard_with_llm import STEPS, Trajectory, adamw
 
 IMAGES = 2  # images per rank
