@@ -58,7 +58,9 @@ def _placed(ctx: CaseContext, label: str, choose: Callable[[list[str]], dict[str
     batches = rank_batches(rank, (4, DIMS[0]))
     ctx.require("ranks' batches differ (the global batch is not a rank's)", differs_across_ranks(batches[0]))
     shard_nested(model, model.layers, mesh=ctx.mesh, shard_placement_fn=placement_fn)
-    ctx.equal(f"{label}: the placement fn is asked once per param", str(sorted(asked)), str(sorted(params)))
+    ctx.equal(f"{label}: the placement fn is asked about every param", str(sorted(set(asked))), str(sorted(params)))
+    with ctx.extra("our engine asks the placement fn once per param"):
+        ctx.equal(f"{label}: the placement fn is asked once per param", str(sorted(asked)), str(sorted(params)))
 
     for name, param in named_params(model).items():
         placement, local = chosen[name], tuple(impl.local(param).shape)
