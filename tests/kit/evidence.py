@@ -18,10 +18,11 @@ import os
 import platform
 import re
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from tests.kit.surface import git_state
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KERNEL = "hyper-parallel-kit"
@@ -38,24 +39,6 @@ _QUERY_TIMEOUT_S = 30.0
 
 
 # -- provenance --------------------------------------------------------------------------------
-def git_state(folder: str | Path) -> dict[str, Any]:
-    """Commit and dirtiness of the git checkout holding ``folder`` (None where it is not one)."""
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-        status = subprocess.run(
-            ["git", "-C", str(folder), "status", "--porcelain", "--", "."],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-    return {"commit": commit, "dirty": bool(status.strip())}
-
-
 @functools.cache
 def kit_state() -> dict[str, Any]:
     """The kit's checkout (this repository): where, commit, dirty (once per process)."""

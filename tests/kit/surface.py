@@ -211,7 +211,8 @@ class Implementation:
     def origin(self) -> dict[str, Any]:
         """Where the implementation was imported from: adapter, package file, git commit, dirty."""
         where = getattr(self.package, "__file__", None) or ""
-        return {"adapter": self.spec.adapter, "spec": str(self.spec), "file": where, **_git_state(where)}
+        state = git_state(Path(where).resolve().parent) if where else {"commit": None, "dirty": None}
+        return {"adapter": self.spec.adapter, "spec": str(self.spec), "file": where, **state}
 
     def refusal(self, exc: BaseException) -> str | None:
         """The feature named by an exception the implementation raised to refuse it, else None:
@@ -240,17 +241,14 @@ class Implementation:
         return roots
 
 
-def _git_state(file: str) -> dict[str, Any]:
-    """Commit and dirtiness of the git checkout holding ``file`` (None where it is not in one)."""
-    if not file:
-        return {"commit": None, "dirty": None}
-    folder = str(Path(file).resolve().parent)
+def git_state(folder: str | Path) -> dict[str, Any]:
+    """Commit and dirtiness of the git checkout holding ``folder`` (None where it is not one)."""
     try:
         commit = subprocess.run(
-            ["git", "-C", folder, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+            ["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
         ).stdout.strip()
         status = subprocess.run(
-            ["git", "-C", folder, "status", "--porcelain", "--", "."],
+            ["git", "-C", str(folder), "status", "--porcelain", "--", "."],
             capture_output=True,
             text=True,
             timeout=10,
