@@ -62,6 +62,27 @@ class TiedEmbeddingNet(nn.Module):
         return self.out(torch.tanh(self.mid(self.embed(tokens))))
 
 
+class NestedInputs(nn.Module):
+    """A root whose forward takes a tensor, a dict of tensors, a keyword tensor and integer token ids,
+    and remembers the dtypes it received: what a mixed-precision policy's input casting reaches."""
+
+    def __init__(self, dim: int = 8, vocab: int = 16, seed: int = 7) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, dim)
+        self.lin = nn.Linear(dim, dim)
+        self.received: dict[str, str] = {}
+
+    def forward(self, x: torch.Tensor, extras: dict[str, torch.Tensor], *, scale: torch.Tensor, tokens: torch.Tensor):
+        self.received = {
+            "x": str(x.dtype),
+            "extras['y']": str(extras["y"].dtype),
+            "scale (keyword)": str(scale.dtype),
+            "tokens": str(tokens.dtype),
+        }
+        return self.lin(x + extras["y"]) * scale + self.embed(tokens)
+
+
 class BranchyNet(nn.Module):
     """A trunk and two heads; ``forward(x, head)`` uses one head, leaving the other unused."""
 

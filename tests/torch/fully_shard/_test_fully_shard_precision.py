@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.kit.case import CaseContext, case
 from tests.kit.layout import padded_shard_numel
-from tests.kit.models import DIMS, MLP, rank_batches
+from tests.kit.models import DIMS, MLP, NestedInputs, rank_batches
 from tests.kit.networks import Decoder, DecoderConfig, cross_entropy_loss, token_batch
 from tests.kit.recorder import CollectiveRecorder
 from tests.kit.reference import GlobalBatchReference, SameDtypeReference, ddp_of, full
@@ -221,8 +221,9 @@ def _train_under_policy(
 def ignored_params(ctx: CaseContext) -> None:
     """An ignored param stays the user's plain, whole tensor (not a DTensor; not moved, cast or
     changed); its grad is never communicated (each rank keeps its own local grad, and no collective
-    carries it); the other params are sharded, reduce-scattered and train like DDP. The baseline is
-    DDP told to ignore the same param, so its grad stays rank-local too."""
+    carries it); the other params are sharded, reduce-scattered and train like DDP; the module's
+    zero_grad clears the ignored param's grad as well. The baseline is DDP told to ignore the same
+    param, so its grad stays rank-local too."""
     world = ctx.world_size
     ignored_name = "layers.1.weight"
     model = MLP(DIMS)
@@ -267,6 +268,15 @@ def ignored_params(ctx: CaseContext) -> None:
         scattered = sum(c.numel for c in rec.of("reduce_scatter"))
         ctx.equal(f"step {step} elements reduce-scattered: the managed grads only", scattered, scattered_per_step)
         ctx.equal(f"step {step} all-reduces", len(rec.of("all_reduce")), 0)
+
+    def zero_grad_clears_ignored() -> None:
+        square_mean(model, batches[0]).backward()
+        ctx.require("the ignored param has a grad before zero_grad", ignored.grad is not None)
+        model.zero_grad()
+        for name, param in named_params(model).items():
+            ctx.true(f"after model.zero_grad(): {name}.grad is None (the ignored param's too)", param.grad is None)
+
+    ctx.run_part("zero_grad", ("zero_grad",), zero_grad_clears_ignored)
 
 
 @case(
@@ -362,6 +372,33 @@ def mp_bf16_param_fp32_reduce(ctx: CaseContext) -> None:
     fp32 output; loss, grad norm and grads within 1e-3 of the bf16 same-dtype reference."""
     policy = impl.MixedPrecisionPolicy(torch.bfloat16, torch.float32, torch.float32)
     _train_under_policy(ctx, "bf16/fp32/fp32", policy, ctx.tol, rank_batches(ctx.rank, (4, DIMS[0])))
+    _nested_inputs_cast(ctx, policy)
+
+
+def _nested_inputs_cast(ctx: CaseContext, policy: Any) -> None:
+    """Floating inputs reach the forward in param_dtype wherever they are (positional, in a dict, by
+    keyword); integer token ids stay integers; forward and backward then run without a dtype
+    mismatch and every grad is finite."""
+    model = NestedInputs()
+    impl.fully_shard(model, mesh=ctx.mesh, mp_policy=policy)
+    x, y = rank_batches(ctx.rank, (4, 8), steps=2, first=60)
+    tokens = torch.arange(4) % 16
+    raises_nothing(
+        ctx,
+        "nested and keyword inputs: forward and backward raise nothing",
+        lambda: model(x, {"y": y}, scale=torch.ones(()), tokens=tokens).float().square().mean().backward(),
+    )
+    want = {
+        "x": str(policy.param_dtype),
+        "extras['y']": str(policy.param_dtype),
+        "scale (keyword)": str(policy.param_dtype),
+        "tokens": str(tokens.dtype),
+    }
+    ctx.equal("nested and keyword inputs: dtypes the forward received", str(model.received), str(want))
+    for name, param in named_params(model).items():  # a forward that raised left no grads: these fail
+        grad = param.grad
+        finite = grad is not None and bool(torch.isfinite(full(grad)).all())
+        ctx.true(f"nested and keyword inputs: grad {name} finite", finite)
 
 
 @case(
