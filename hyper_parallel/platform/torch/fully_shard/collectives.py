@@ -108,7 +108,7 @@ def start_all_gather(params: Sequence[HSDPParam], mesh_info: MeshInfo, fused: bo
     for param in sharded:
         send = torch.empty(param.padded_shard_numel, dtype=param.param_dtype, device=param.device)
         param.copy_shard_into(send)
-        if param.gathers_in_place:
+        if param.rank_major:
             param.alloc_unsharded()
             keepers.append(param.hidden_writes())  # the version now, restored when waited for
             recv = param.unsharded_local.detach().view(-1)
@@ -220,7 +220,7 @@ def _start_reduce_scatter(
     total = sum(p.padded_shard_numel for p in params)
     single = params[0]
     grad = single.unreduced_grad
-    if len(params) == 1 and single.gathers_in_place and grad.is_contiguous():
+    if len(params) == 1 and single.rank_major and grad.is_contiguous():
         send = grad.view(-1)  # already laid out rank after rank: no copy
     else:
         send = torch.empty(world, total, dtype=dtype, device=device)

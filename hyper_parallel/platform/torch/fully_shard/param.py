@@ -254,20 +254,16 @@ class HSDPParam:
             view.copy_(self.local_shard)
 
     @property
-    def gathers_in_place(self) -> bool:
-        """Dim-0 shards without padding all-gather straight into the unsharded param."""
-        return self.dim == 0 and not self.has_padding
-
-    @property
-    def _rank_major(self) -> bool:
-        """Dim-0 shards without padding: the full tensor is the rank-ordered shards back to back."""
+    def rank_major(self) -> bool:
+        """Dim-0 shards without padding: the full tensor is the rank-ordered shards back to back, so
+        it is all-gathered straight into the unsharded param and reduce-scattered as it is."""
         return not self.is_replicated and self.dim == 0 and not self.has_padding
 
     def copy_gathered_out(self, gathered: torch.Tensor) -> None:
         """Allocate and fill the unsharded param from an all-gather output viewed as [world, padded numel]."""
         self.alloc_unsharded()
         with torch.no_grad(), self.hidden_writes():
-            if self._rank_major:
+            if self.rank_major:
                 self.unsharded_local.view(self.world, -1).copy_(gathered)
                 return
             for rank in range(self.world):
@@ -299,7 +295,7 @@ class HSDPParam:
 
     def copy_grad_into(self, buffer: torch.Tensor, grad: torch.Tensor) -> None:
         """Write a full grad into a reduce-scatter input viewed as [world, padded numel]."""
-        if self._rank_major:
+        if self.rank_major:
             buffer.copy_(grad.reshape(self.world, -1))
             return
         for rank in range(self.world):
