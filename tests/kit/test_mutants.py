@@ -164,14 +164,18 @@ def _gone(pid: int, within: float = 5.0) -> bool:
     return False
 
 
+# A run that starts a child in its process group and prints the child's pid, then sleeps.
+SLEEPER_WITH_CHILD = (
+    "import subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+    "print(child.pid, flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
 def test_a_run_past_its_timeout_is_stopped_with_its_whole_group(tmp_path: Path):
     log = tmp_path / "run.log"
-    script = (
-        "import subprocess, sys, time\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-        "print(child.pid, flush=True)\n"
-        "time.sleep(60)\n"
-    )
+    script = SLEEPER_WITH_CHILD
     status, code, seconds = run_pytest([sys.executable, "-c", script], tmp_path, dict(os.environ), log, timeout=1.0)
     assert status == "timeout" and code is None and seconds < 30
     grandchild = int(log.read_text().split()[0])
@@ -346,12 +350,7 @@ class _InterruptedPopen(subprocess.Popen):
 
 def test_ctrl_c_stops_the_run_with_its_whole_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     log = tmp_path / "run.log"
-    script = (
-        "import subprocess, sys, time\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-        "print(child.pid, flush=True)\n"
-        "time.sleep(60)\n"
-    )
+    script = SLEEPER_WITH_CHILD
     monkeypatch.setattr(_InterruptedPopen, "log", log, raising=False)
     monkeypatch.setattr(runner.subprocess, "Popen", _InterruptedPopen)
     with pytest.raises(KeyboardInterrupt):

@@ -216,6 +216,14 @@ def _not_sharded() -> nn.Module:
     return nn.Linear(2, 2)
 
 
+def _prefetch_refusals(method: str) -> list[Refusal]:
+    """A prefetch setter refusing a string and a module that ``fully_shard`` never saw."""
+    return [
+        Refusal("a string", lambda m, c: getattr(m, method)("layers"), "modules"),
+        Refusal("a module not given to fully_shard", lambda m, c: getattr(m, method)([_not_sharded()]), "modules"),
+    ]
+
+
 METHODS: dict[str, tuple[tuple[str, ...], list[Refusal]]] = {
     "set_requires_gradient_sync": (("gradient_sync",), _flag("set_requires_gradient_sync", "requires_gradient_sync")),
     "set_requires_all_reduce": (("all_reduce_control",), _flag("set_requires_all_reduce", "requires_all_reduce")),
@@ -242,28 +250,8 @@ METHODS: dict[str, tuple[tuple[str, ...], list[Refusal]]] = {
         ],
     ),
     "set_is_last_backward": (("last_backward",), _flag("set_is_last_backward", "is_last_backward", recurse=False)),
-    "set_modules_to_forward_prefetch": (
-        ("prefetch",),
-        [
-            Refusal("a string", lambda m, c: m.set_modules_to_forward_prefetch("layers"), "modules"),
-            Refusal(
-                "a module not given to fully_shard",
-                lambda m, c: m.set_modules_to_forward_prefetch([_not_sharded()]),
-                "modules",
-            ),
-        ],
-    ),
-    "set_modules_to_backward_prefetch": (
-        ("prefetch",),
-        [
-            Refusal("a string", lambda m, c: m.set_modules_to_backward_prefetch("layers"), "modules"),
-            Refusal(
-                "a module not given to fully_shard",
-                lambda m, c: m.set_modules_to_backward_prefetch([_not_sharded()]),
-                "modules",
-            ),
-        ],
-    ),
+    "set_modules_to_forward_prefetch": (("prefetch",), _prefetch_refusals("set_modules_to_forward_prefetch")),
+    "set_modules_to_backward_prefetch": (("prefetch",), _prefetch_refusals("set_modules_to_backward_prefetch")),
     "unshard": (
         ("unshard_reshard",),
         [Refusal("unshard(async_op='y')", lambda m, c: m.unshard(async_op="y"), "async_op")],
