@@ -72,15 +72,18 @@ def _block_forwards(model: FeedForwardStack) -> ForwardLog:
 
 
 def _train_checkpointed(
-    ctx: CaseContext, label: str, kinds: dict[int, str], tol: Tolerance, **options: Any
+    ctx: CaseContext, label: str, kinds: dict[int, str], tol: Tolerance, inside: bool = False, **options: Any
 ) -> ForwardLog:
     """Two Adam steps of the checkpointed stack against the single-device model without AC: loss,
     global and per-block grad norms, every grad and param; checkpointed blocks must have run their
-    forward twice per step (else the case proves nothing), the others once."""
+    forward twice per step (else the case proves nothing), the others once. ``inside`` shards the
+    block inside each checkpoint (``checkpoint(sharded_block, x)``, as Hugging Face models do)
+    rather than the checkpoint wrapper (as torchtitan does)."""
     model = _stack(kinds)
     reference = GlobalBatchReference(without_checkpointing(model))
     forwards = _block_forwards(model)
-    shard_nested(model, model.blocks, mesh=ctx.mesh, **options)
+    groups = [getattr(block, "inner", block) for block in model.blocks] if inside else model.blocks
+    shard_nested(model, groups, mesh=ctx.mesh, **options)
     batches = rank_batches(ctx.rank, BATCH)
     ctx.require(f"{label}: ranks' batches differ (the global batch is not a rank's)", differs_across_ranks(batches[0]))
 
@@ -124,8 +127,9 @@ def _train_checkpointed(
 def reentrant_ac_fsdp(ctx: CaseContext) -> None:
     """Re-entrant checkpointing (``use_reentrant=True``) of every block but the first (whose input,
     the data, needs no grad: a re-entrant checkpoint there would cut its params off the graph),
-    params resharded after forward or kept: loss, per-block grad norms and every grad (the first
-    and last blocks' too) within 1e-5 of the single-device model without AC."""
+    params resharded after forward or kept, and with the blocks sharded inside the checkpoint: loss,
+    per-block grad norms and every grad (the first and last blocks' too) within 1e-5 of the
+    single-device model without AC."""
     every = dict.fromkeys(range(1, DEPTH), "reentrant")
     _train_checkpointed(ctx, "reshard after forward", every, ctx.tol, reshard_after_forward=True)
     ctx.run_part(
@@ -133,6 +137,8 @@ def reentrant_ac_fsdp(ctx: CaseContext) -> None:
         ("reshard_after_forward",),
         lambda: _train_checkpointed(ctx, "kept after forward", every, ctx.tol, reshard_after_forward=False),
     )
+    # the recompute runs the sharded block's forward inside backward: it must gather the params again
+    _train_checkpointed(ctx, "sharded inside the checkpoint", every, ctx.tol, inside=True, reshard_after_forward=True)
 
 
 @case(
