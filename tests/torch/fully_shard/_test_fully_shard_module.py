@@ -133,6 +133,53 @@ def _prefetch_lists_order_gathers(ctx: CaseContext, mesh) -> None:
         ctx.equal(f"{where} backward all-gather order", str(_gathered_layers(backward, layer_of)), "[2, 0, 1]")
 
 
+def _default_order_gathers_each_layer_once(ctx: CaseContext, mesh) -> None:
+    """Without prefetch lists, backward gathers each layer once, last layer first: an implicit
+    prefetch that picks the wrong neighbour gathers a finished layer again."""
+    model = MLP(DIMS)
+    ddp = ddp_of(model)
+    layer_of = _layer_of_gather(model, ctx.world_size)
+    shard_nested(model, model.layers, mesh=mesh, reshard_after_forward=True)
+    backwards: list[CollectiveRecorder] = []
+
+    def backward_recorded(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        loss = square_mean(module, batch)
+        with record_collectives() as backward:
+            loss.backward()
+        backwards.append(backward)
+        return loss
+
+    batches = rank_batches(ctx.rank, (4, DIMS[0]))
+    train_against(ctx, model, ddp, batches, square_mean, ctx.tol, label="no lists", model_step=backward_recorded)
+    with ctx.extra("beyond the plan's lists: the default backward order gathers no layer twice, ahead of need"):
+        for step, backward in enumerate(backwards):
+            order = str(_gathered_layers(backward, layer_of))
+            ctx.equal(f"no lists step {step} backward all-gather order", order, "[2, 1, 0]")
+            events = _backward_events(backward, layer_of, ctx.world_size)
+            for layer in (1, 0):
+                gathered, reduced = events.index(f"AG{layer}"), events.index(f"RS{layer + 1}")
+                ctx.true(
+                    f"no lists step {step}: layer {layer} gathered before layer {layer + 1}'s grads are reduced",
+                    gathered < reduced,
+                    " ".join(events),
+                )
+
+
+def _backward_events(rec: CollectiveRecorder, layer_of: dict[int, int], world: int) -> list[str]:
+    """Gathers and reduce-scatters in issue order, as ``AG<layer>`` / ``RS<layer>`` (once per layer)."""
+    events: list[str] = []
+    for call in rec.calls:
+        if call.op == "all_gather":
+            event = f"AG{layer_of.get(call.numel)}"
+        elif call.op == "reduce_scatter":
+            event = f"RS{layer_of.get(call.numel // world)}"
+        else:
+            continue
+        if event not in events:
+            events.append(event)
+    return events
+
+
 def _not_last_backward_defers_reductions(ctx: CaseContext, mesh) -> None:
     model = MLP(DIMS)
     ddp = ddp_of(model)
@@ -169,10 +216,12 @@ def _not_last_backward_defers_reductions(ctx: CaseContext, mesh) -> None:
     needs=("prefetch", "last_backward", "reshard_after_forward"),
 )
 def prefetch_and_last_backward(ctx: CaseContext) -> None:
-    """Forward/backward prefetch lists decide the order of all-gathers; set_is_last_backward(False)
-    issues the reductions but defers applying them; both train like DDP."""
+    """Forward/backward prefetch lists decide the order of all-gathers (without lists, backward
+    gathers each layer once, last first: extra); set_is_last_backward(False) issues the reductions
+    but defers applying them; all train like DDP."""
     mesh = ctx.mesh
     _prefetch_lists_order_gathers(ctx, mesh)
+    _default_order_gathers_each_layer_once(ctx, mesh)
     _not_last_backward_defers_reductions(ctx, mesh)
 
 
