@@ -104,17 +104,21 @@ def _gathered_layers(rec: CollectiveRecorder, layer_of: dict[int, int]) -> list[
     return order
 
 
-def _prefetch_lists_order_gathers(ctx: CaseContext, mesh) -> None:
+def _train_recording_gathers(
+    ctx: CaseContext, mesh, label: str, lists: bool
+) -> tuple[dict[int, int], list[tuple[CollectiveRecorder, CollectiveRecorder]]]:
+    """Train the 3-layer MLP like DDP, each layer its own group resharded after forward, with the
+    prefetch lists (forward 0, 2, 1; backward 2, 0, 1) or without; each step's forward and backward
+    collectives, and the gather sizes' layers."""
     model = MLP(DIMS)
     ddp = ddp_of(model)
     layer_of = _layer_of_gather(model, ctx.world_size)
-    ctx.require("every layer's gathers have sizes of their own", -1 not in layer_of.values(), str(layer_of))
     # resharded after forward (explicitly: the default's meaning is no business of this case), so
-    # backward gathers every layer again, in the order the lists ask for
+    # backward gathers every layer again
     first, middle, last = shard_nested(model, model.layers, mesh=mesh, reshard_after_forward=True).layers
-    # natural orders: forward 0, 1, 2 and backward 2, 1, 0; the lists ask for 0, 2, 1 and 2, 0, 1
-    first.set_modules_to_forward_prefetch([last, middle])
-    last.set_modules_to_backward_prefetch([first, middle])
+    if lists:  # natural orders: forward 0, 1, 2 and backward 2, 1, 0
+        first.set_modules_to_forward_prefetch([last, middle])
+        last.set_modules_to_backward_prefetch([first, middle])
     phases: list[tuple[CollectiveRecorder, CollectiveRecorder]] = []
 
     def forward_then_backward(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -126,7 +130,13 @@ def _prefetch_lists_order_gathers(ctx: CaseContext, mesh) -> None:
         return loss
 
     batches = rank_batches(ctx.rank, (4, DIMS[0]))
-    train_against(ctx, model, ddp, batches, square_mean, ctx.tol, label="prefetch", model_step=forward_then_backward)
+    train_against(ctx, model, ddp, batches, square_mean, ctx.tol, label=label, model_step=forward_then_backward)
+    return layer_of, phases
+
+
+def _prefetch_lists_order_gathers(ctx: CaseContext, mesh) -> None:
+    layer_of, phases = _train_recording_gathers(ctx, mesh, "prefetch", lists=True)
+    ctx.require("every layer's gathers have sizes of their own", -1 not in layer_of.values(), str(layer_of))
     for step, (forward, backward) in enumerate(phases):
         where = f"prefetch step {step}"
         ctx.equal(f"{where} forward all-gather order", str(_gathered_layers(forward, layer_of)), "[0, 2, 1]")
@@ -134,25 +144,11 @@ def _prefetch_lists_order_gathers(ctx: CaseContext, mesh) -> None:
 
 
 def _default_order_gathers_each_layer_once(ctx: CaseContext, mesh) -> None:
-    """Without prefetch lists, backward gathers each layer once, last layer first: an implicit
-    prefetch that picks the wrong neighbour gathers a finished layer again."""
-    model = MLP(DIMS)
-    ddp = ddp_of(model)
-    layer_of = _layer_of_gather(model, ctx.world_size)
-    shard_nested(model, model.layers, mesh=mesh, reshard_after_forward=True)
-    backwards: list[CollectiveRecorder] = []
-
-    def backward_recorded(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        loss = square_mean(module, batch)
-        with record_collectives() as backward:
-            loss.backward()
-        backwards.append(backward)
-        return loss
-
-    batches = rank_batches(ctx.rank, (4, DIMS[0]))
-    train_against(ctx, model, ddp, batches, square_mean, ctx.tol, label="no lists", model_step=backward_recorded)
+    """Without prefetch lists, backward gathers each layer once, last layer first, and ahead of
+    need: an implicit prefetch that picks a finished layer gathers nothing early (or twice)."""
+    layer_of, phases = _train_recording_gathers(ctx, mesh, "no lists", lists=False)
     with ctx.extra("beyond the plan's lists: the default backward order gathers no layer twice, ahead of need"):
-        for step, backward in enumerate(backwards):
+        for step, (_, backward) in enumerate(phases):
             order = str(_gathered_layers(backward, layer_of))
             ctx.equal(f"no lists step {step} backward all-gather order", order, "[2, 1, 0]")
             events = _backward_events(backward, layer_of, ctx.world_size)
