@@ -51,6 +51,11 @@ def fail_on_rank(bad_rank: int = 1) -> float:
     return t.item()
 
 
+def fail_at_once() -> None:
+    """Every rank raises as soon as it has joined (how an implementation refuses a feature)."""
+    raise ValueError(f"refused on rank {dist.get_rank()}")
+
+
 def sleep_forever() -> None:
     """Never returns (a Python-level hang: answers SIGINT)."""
     while True:

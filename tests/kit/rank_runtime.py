@@ -130,6 +130,19 @@ def _choose_backend(requested: str | None, world_size: int) -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
 
 
+def _wait_until_every_rank_joined(backend: str) -> None:
+    """Barrier right after joining: a rank whose fn ends at once (an UNSUPPORTED refusal, a bad
+    argument) would otherwise tear the group down while a slower peer is still inside gloo's
+    connectFullMesh, and that peer fails with "Connection closed by peer" instead of its own verdict."""
+    import torch
+    import torch.distributed as dist
+
+    if backend == "nccl" and torch.cuda.is_available():
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
 def rank_entry(rank: int, spec: dict, fn_obj: Callable | None, args: tuple, kwargs: dict) -> Any:
     """Engine side of a run: join a fresh process group, call fn, always destroy the group."""
     import torch
@@ -160,6 +173,7 @@ def rank_entry(rank: int, spec: dict, fn_obj: Callable | None, args: tuple, kwar
         dist.init_process_group(
             backend, store=dist.PrefixStore(spec["prefix"], store), rank=rank, world_size=world_size, timeout=timeout
         )
+        _wait_until_every_rank_joined(backend)
         torch.manual_seed(0)
         result = fn(*args, **kwargs)
     except BaseException as exc:
