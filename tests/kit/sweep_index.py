@@ -161,8 +161,8 @@ case links its page (the executed notebook with its plots) and the executed note
     return index
 
 
-
 def case_line(row: dict[str, Any]) -> str:
+    """One progress line of the sweep: verdict, case, and its seconds split into case and notebook."""
     name = f"[{row['implementation']}] " if row.get("implementation") else ""
     overhead = row["wall_seconds"] - row.get("seconds", 0.0)
     return (
@@ -197,5 +197,3 @@ def overhead_report(rows: list[dict[str, Any]]) -> str:
         f"{run_cell - case:.2f}, other cells {other_cells:.2f} ({detail}); HTML page {page:.2f}, "
         f"rendered while the next case runs{fresh}"
     )
-
-

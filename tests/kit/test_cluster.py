@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -209,14 +210,16 @@ def test_join_runs_on_existing_engines_and_leaves_them(owned_cluster):
 
 _DRIVER = textwrap.dedent(
     """
-    import json, sys, time
+    import faulthandler, json, sys, time
 
     from tests.kit import _ranks_cluster as ranks
     from tests.kit.cluster import RankCluster
 
+    faulthandler.dump_traceback_later(100)  # stuck before the test gives up at 120 s: say where
     mode = sys.argv[1]
     cluster = RankCluster.start(1)
-    assert cluster.run(ranks.trivial, 1) == [0]
+    assert cluster.run(ranks.trivial, 1, timeout=40) == [0]  # a hung run reports the engine's stack
+    faulthandler.cancel_dump_traceback_later()
     info = dict(
         token=cluster.token,
         controller=cluster.controller_pid,
@@ -236,11 +239,11 @@ _DRIVER = textwrap.dedent(
 )
 
 
-def _read_line(proc: subprocess.Popen, timeout: float) -> str:
-    """First stdout line of proc, bounded by timeout."""
+def _read_line(proc: subprocess.Popen, timeout: float, err: Path) -> str:
+    """First stdout line of proc, bounded by timeout; on timeout, what the driver wrote to stderr."""
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
     if not ready:
-        raise TimeoutError("driver printed nothing")
+        raise TimeoutError(f"driver printed nothing in {timeout:g} s; its stderr:\n{err.read_text()}")
     return proc.stdout.readline()
 
 
@@ -269,7 +272,7 @@ def test_no_leftover_processes(tmp_path):
             )
     try:
         for mode, proc in drivers.items():
-            line = _read_line(proc, 120)
+            line = _read_line(proc, 120, tmp_path / f"{mode}.err")
             assert line, (tmp_path / f"{mode}.err").read_text()
             infos[mode] = json.loads(line)
         os.kill(infos["kill_without_watchdog"]["watchdog"], signal.SIGKILL)

@@ -442,8 +442,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "45",
         STATE,
         "implicit backward prefetch",
-        "the implicit backward prefetch takes the group after this one in forward order, whose backward "
-        "already ran",
+        "the implicit backward prefetch takes the group after this one in forward order, whose backward already ran",
         "        target = order[index - 1]\n",
         "        target = order[min(index + 1, len(order) - 1)]\n",
     ),
