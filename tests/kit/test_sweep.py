@@ -107,11 +107,9 @@ module it shards scaled by 1 + 1e-3 (so the losses and grads miss DDP's)."""
 import os
 from pathlib import Path
 
-__path__.append({engine!r})  # noqa: F821
-
-from hyper_parallel.core.fully_shard.api import HSDPModule  # noqa: E402
-from hyper_parallel.core.fully_shard.api import fully_shard as _fully_shard  # noqa: E402
-from hyper_parallel.core.fully_shard.utils import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy  # noqa: E402
+__path__.append({engine!r})  # noqa: F821  (the engine's subpackages resolve under this package)
+exec((Path({engine!r}) / "__init__.py").read_text())  # the engine's public surface, nothing deeper
+_fully_shard = fully_shard  # noqa: F821
 
 with open({marker!r}, "a") as record:  # who imported this file, from where
     record.write(f"{{os.getpid()}} {{Path(__file__).resolve()}}\\n")
