@@ -38,5 +38,8 @@ bench:
 lint:
 	$(PYTHON) -m ruff check .
 
+# The notebooks first: nbval runs every plan case there (on a cluster computing with other CPU
+# arithmetic than the recording's: the recorded text must hold anyway), and the pytest case of
+# each id judges that same verdict (conftest.py).
 test: setup lint
-	IPP_NONINTERACTIVE=1 $(PYTHON) -m pytest -q tests notebooks --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg
+	IPP_NONINTERACTIVE=1 $(PYTHON) -m pytest -q notebooks tests --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg

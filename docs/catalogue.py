@@ -1,7 +1,8 @@
-"""Regenerate the case catalogue in docs/cases.md from the case registry.
+"""Regenerate the case catalogue in docs/cases.md from the case registry, and docs/plan_fidelity.md
+from the plan's assertions (``tests/kit/plan.py``).
 
-    python docs/catalogue.py           # rewrite the generated part of docs/cases.md
-    python docs/catalogue.py --check   # exit 1 if docs/cases.md is not what this would write
+    python docs/catalogue.py           # rewrite the generated part of docs/cases.md, and plan_fidelity.md
+    python docs/catalogue.py --check   # exit 1 if either is not what this would write
 
 Only the text between the two marker comments is generated: the precision matrix and the
 case-specific tolerances (``tests/kit/tolerances.py``), the features a case may need
@@ -173,6 +174,65 @@ def generated() -> str:
     return "\n".join(out)
 
 
+FIDELITY_MD = ROOT / "docs" / "plan_fidelity.md"
+
+
+def fidelity() -> str:
+    """docs/plan_fidelity.md, whole: every plan assertion of L1-L3 (``tests/kit/plan.py``), the checks
+    that judge it, the baseline, the tolerance row, and where the kit reads the plan differently."""
+    case_mod, _, _, tolerances = _kit()
+    from tests.kit import plan
+
+    cases = case_mod.load_plan_cases()
+    out = [
+        "# Plan fidelity",
+        "",
+        "<!-- written by python docs/catalogue.py from tests/kit/plan.py; tests/test_docs.py fails when stale -->",
+        "",
+        "Every assertion of the plan's L1-L3 rows (the plan, v1.1: the core assertions of each case and the",
+        "L3 assertion specs), the checks that judge it, what they compare with, the tolerance, and where",
+        "the kit reads the plan differently, with the reason. The checks column is a regular expression",
+        "searched in the names of the checks a case records (`tests.kit.plan.Assertion`);",
+        "`tests/kit/test_plan_fidelity.py` runs every case and fails when an assertion is judged by no",
+        "check. A case's other layouts (`-FSDP`, `-HSDP`) are judged by the same rows. Each case page of",
+        "the sweep, and each level notebook, opens with this table filled with the measured errors.",
+        "",
+        "Tolerance: the case's precision-matrix row (loss / grad), or the registry's case-specific",
+        "tolerance it names; `exact` for equalities (bitwise for tensors), `property` for checks that",
+        "hold or not; run properties (`timeout`, `clean run`) are judged by how the run ended.",
+    ]
+    for base, assertions in plan.PLAN.items():
+        spec = cases[base]
+        layouts = sorted(c.id for c in cases.values() if c.id != base and plan.base_id(c.id) == base)
+        also = f" (and {', '.join(layouts)})" if layouts else ""
+        row = tolerances.tolerance(spec.config)
+        out += [
+            "",
+            f"## {base} `{spec.name}`{also}",
+            "",
+            f"{spec.world_size} ranks, mesh {mesh_text(spec.mesh)}; precision-matrix row {spec.config} "
+            f"(loss {tol_text(row.loss)}, grad {tol_text(row.grad)}).",
+            "",
+            "| plan assertion | judged by | baseline | tolerance | kit's reading |",
+            "|---|---|---|---|---|",
+        ]
+        for a in assertions:
+            judged = f"`{a.checks}`" if a.checks else a.judged_by
+            if a.device:
+                judged += " (on an accelerator; noted as not run on a CPU-only host)"
+            if a.tol == "row":
+                tol = f"row: {tol_text(row.loss)} / {tol_text(row.grad)}"
+            elif a.tol in tolerances.SPECIFIC:
+                tol = f"{tol_text(tolerances.SPECIFIC[a.tol])} ({a.tol})"
+            else:
+                tol = a.tol if a.judged_by == "checks" else "-"
+            out.append(
+                f"| {cell(a.says)} | {cell(judged)} | {cell(a.baseline)} | {cell(tol)} | {cell(a.reading) or '-'} |"
+            )
+    out.append("")
+    return "\n".join(out)
+
+
 def splice(text: str, body: str) -> str:
     """``text`` with the part between the markers replaced by ``body``."""
     if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
@@ -187,18 +247,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/cases.md is stale; write nothing")
     args = parser.parse_args(argv)
     text = CASES_MD.read_text()
-    fresh = splice(text, generated())
+    pages = {CASES_MD: (text, splice(text, generated()))}
+    pages[FIDELITY_MD] = (FIDELITY_MD.read_text() if FIDELITY_MD.exists() else "", fidelity())
+    stale = [path for path, (old, fresh) in pages.items() if old != fresh]
     if args.check:
-        if fresh != text:
-            print(f"{CASES_MD} is stale: run python docs/catalogue.py", file=sys.stderr)
-            return 1
-        print(f"{CASES_MD} is up to date")
-        return 0
-    if fresh != text:
-        CASES_MD.write_text(fresh)
-        print(f"rewrote {CASES_MD}")
-    else:
-        print(f"{CASES_MD} was already up to date")
+        for path in stale:
+            print(f"{path} is stale: run python docs/catalogue.py", file=sys.stderr)
+        if not stale:
+            print("docs/cases.md and docs/plan_fidelity.md are up to date")
+        return 1 if stale else 0
+    for path, (_, fresh) in pages.items():
+        if path in stale:
+            path.write_text(fresh)
+            print(f"rewrote {path}")
+        else:
+            print(f"{path} was already up to date")
     return 0
 
 

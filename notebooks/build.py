@@ -96,9 +96,9 @@ def build(level: str) -> nbformat.NotebookNode:
             "single-device or DDP baselines with the tolerances of `tests/kit/tolerances.py` "
             "(the plan's precision matrix). Headless, one case:\n\n"
             f"    papermill notebooks/{stem}.ipynb out.ipynb -p cases {example}\n\n"
-            "Cells: parameters, set-up, cluster, run, verdicts (text, checked by nbval), "
-            "verdict table, loss curves, errors against tolerances, and a last cell that "
-            "raises if anything failed."
+            "Cells: parameters, set-up, cluster, run, the plan's assertions (table and figures), "
+            "verdicts (text, checked by nbval), every check (folded), loss curves, errors against "
+            "tolerances, and a last cell that raises if anything failed."
         ),
         _code(PARAMETERS.format(example=example), "parameters"),
         _code(SETUP.format(level=level)),
@@ -107,13 +107,23 @@ def build(level: str) -> nbformat.NotebookNode:
             "verdicts = nb.run_cases(cluster, selected, timeout, backend, isolate) if selected else []",
             "nbval-ignore-output",
         ),
-        new_markdown_cell("## Verdicts\nEvery check of every case; `err` is the worst over ranks."),
-        _code("nb.print_verdicts(verdicts)"),
-        _code(
-            "from IPython.display import HTML\n\nHTML(nb.verdicts_html(verdicts))",
-            "nbval-ignore-output",
-            "verdict-table",
+        new_markdown_cell(
+            "## The plan's assertions\nEach assertion of the case's plan row, the checks that judge it "
+            "(`tests/kit/plan.py`), the worst of their errors against the tolerance, and where the kit reads "
+            "the plan differently; then the figures the plan names."
         ),
+        _code(
+            "from IPython.display import HTML\n\nHTML(nb.plans_html(verdicts))",
+            "nbval-ignore-output",
+            "plan-table",
+        ),
+        _code("nb.plot_figures(verdicts);", "nbval-ignore-output", "plan-figures"),
+        new_markdown_cell(
+            "## Verdicts\nThe plan's assertions, then every check of every case; `err` is the worst over ranks "
+            "(what nbval compares: measured values masked, verdicts and tolerances kept)."
+        ),
+        _code("nb.print_verdicts(verdicts)"),
+        _code("HTML(nb.checks_html(verdicts))", "nbval-ignore-output", "verdict-table"),
         new_markdown_cell(
             "## Provenance\nWhat ran on the ranks: the implementation's package file as rank 0 imported it, "
             "its checkout's commit (dirty: uncommitted changes), torch, backend, ranks, host, date, and the kit's "

@@ -264,3 +264,11 @@ def test_case_catalogue_is_current() -> None:
     catalogue = _catalogue()
     text = catalogue.CASES_MD.read_text()
     assert catalogue.splice(text, catalogue.generated()) == text, "docs/cases.md is stale: run python docs/catalogue.py"
+
+
+def test_plan_fidelity_table_is_current() -> None:
+    """docs/plan_fidelity.md is exactly what docs/catalogue.py writes from tests/kit/plan.py."""
+    catalogue = _catalogue()
+    assert catalogue.FIDELITY_MD.read_text() == catalogue.fidelity(), (
+        "docs/plan_fidelity.md is stale: run python docs/catalogue.py"
+    )

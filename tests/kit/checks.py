@@ -36,6 +36,10 @@ class Check:
     passed: bool
     error: float | None = None  # |measured - reference| (max element-wise) where it applies
     extra: str | None = None  # why the check goes beyond the plan (None: a plan check)
+    # how it judges: "close" (error <= tol), "equal" (exact), "true" (a property), "at_most"
+    # (value <= bound + slack) or "precondition"; the verdict text shows only what the kind
+    # decides (tests.kit.notebook.verdict_text)
+    kind: str = "true"
 
 
 class PreconditionFailed(AssertionError):
@@ -66,6 +70,8 @@ class CaseContext:
     checks: list[Check] = field(default_factory=list)
     # name -> {"ours": [...], "reference": [...]} per step, for the notebooks' plots
     series: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    # figure -> label -> series -> value: bar charts of what the plan names (``bar``)
+    figures: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     kept: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # parts of the case that did not run, and why
     _meshes: dict[tuple, Any] = field(default_factory=dict, repr=False)
@@ -98,12 +104,14 @@ class CaseContext:
         """Element-wise ``max |measured - reference| <= tol`` (tensors, sharded tensors or numbers)."""
         ours, ref = self._tensor(measured), self._tensor(reference)
         if ours.shape != ref.shape:
-            return self._record(name, f"shape {tuple(ours.shape)}", f"shape {tuple(ref.shape)}", tol, False)
+            return self._record(
+                name, f"shape {tuple(ours.shape)}", f"shape {tuple(ref.shape)}", tol, False, kind="close"
+            )
         error = (ours - ref).abs().max().item() if ours.numel() else 0.0
         passed = math.isfinite(error) and error <= tol
         shown_ours = as_number(ours) if ours.numel() == 1 else f"tensor{tuple(ours.shape)}"
         shown_ref = as_number(ref) if ref.numel() == 1 else f"tensor{tuple(ref.shape)}"
-        return self._record(name, shown_ours, shown_ref, tol, passed, error)
+        return self._record(name, shown_ours, shown_ref, tol, passed, error, kind="close")
 
     def equal(self, name: str, measured: Any, reference: Any) -> bool:
         """Exact equality: bitwise for tensors, ``==`` otherwise."""
@@ -111,21 +119,24 @@ class CaseContext:
             ours, ref = self._tensor(measured), self._tensor(reference)
             same = ours.shape == ref.shape and torch.equal(ours, ref)
             error = (ours - ref).abs().max().item() if same is False and ours.shape == ref.shape else 0.0
-            return self._record(name, f"tensor{tuple(ours.shape)}", f"tensor{tuple(ref.shape)}", 0.0, same, error)
-        return self._record(name, as_number(measured), as_number(reference), None, measured == reference)
+            shapes = f"tensor{tuple(ours.shape)}", f"tensor{tuple(ref.shape)}"
+            return self._record(name, *shapes, 0.0, same, error, kind="equal")
+        return self._record(name, as_number(measured), as_number(reference), None, measured == reference, kind="equal")
 
     def true(self, name: str, condition: bool, measured: Any = "", reference: Any = "") -> bool:
         """A property that must hold (e.g. a dtype, a type, a count), with what was seen."""
-        return self._record(name, as_number(measured), as_number(reference), None, bool(condition))
+        return self._record(name, as_number(measured), as_number(reference), None, bool(condition), kind="true")
 
     def at_most(self, name: str, value: Any, bound: float, slack: float = 0.0) -> bool:
         """``value <= bound + slack`` (e.g. a clipped norm against max_norm)."""
         number = float(as_number(value))
-        return self._record(name, number, bound, slack, number <= bound + slack)
+        return self._record(name, number, bound, slack, number <= bound + slack, kind="at_most")
 
     def require(self, name: str, condition: bool, detail: str = "") -> None:
         """Record a precondition; if it fails the rest of the case would prove nothing: stop."""
-        self._record(f"precondition: {name}", detail or str(bool(condition)), "True", None, bool(condition))
+        self._record(
+            f"precondition: {name}", detail or str(bool(condition)), "True", None, bool(condition), kind="precondition"
+        )
         if not condition:
             case_id = self.case.id if self.case else "check"
             raise PreconditionFailed(f"{case_id} precondition failed on rank {self.rank}: {name} {detail}")
@@ -143,9 +154,11 @@ class CaseContext:
             self._extra = outer
 
     def run_part(self, label: str, needs: tuple[str, ...], body: Callable[[], None]) -> None:
-        """Run one part of the case that needs plan features of its own. A part the implementation
-        lacks (not declared, or refused while running) is noted, not failed: the case still judges
-        the rest, and the verdict lists what did not run."""
+        """Run one part of the case that needs plan features of its own. A part whose features the
+        implementation does not declare is noted, not run: the case still judges the rest, and the
+        verdict lists what did not run. A part it declares but refuses while running
+        (``NotImplementedError``, an unknown keyword) is a failed check: declaring a feature is a
+        promise, and a refusal must not leave the case passing."""
         missing = [n for n in needs if n not in impl.features]
         if missing:
             self.notes.append(f"{label}: not run, the implementation lacks {', '.join(missing)}")
@@ -156,13 +169,20 @@ class CaseContext:
             feature = impl.refusal(exc)
             if feature is None:
                 raise
-            self.notes.append(f"{label}: refused by the implementation ({feature})")
+            declared = ", ".join(needs) or "fully_shard"
+            self.true(f"{label}: runs (declared: {declared})", False, f"refused: {feature}", "runs")
 
     def step(self, series: str, ours: Any, reference: Any) -> None:
         """Append one step of a curve (e.g. loss) for the plots; checks are separate."""
         entry = self.series.setdefault(series, {"ours": [], "reference": []})
         entry["ours"].append(float(as_number(ours)))
         entry["reference"].append(float(as_number(reference)))
+
+    def bar(self, figure: str, label: str, **values: Any) -> None:
+        """One group of bars (``label``, a value per series) of a figure the plan names, drawn on the
+        case's page beside its assertions (e.g. peak memory with and without AC); not a check."""
+        group = self.figures.setdefault(figure, {}).setdefault(label, {})
+        group.update({series: float(as_number(value)) for series, value in values.items()})
 
     def keep(self, **objects: Any) -> None:
         """Leave objects on this engine for interactive inspection after the run."""
@@ -175,13 +195,19 @@ class CaseContext:
             return impl.full(value).detach().double().cpu()
         return torch.tensor(value, dtype=torch.float64)
 
-    def _record(self, name, measured, reference, tol, passed, error=None) -> bool:
-        self.checks.append(Check(name, self.rank, measured, reference, tol, bool(passed), error, self._extra))
+    def _record(self, name, measured, reference, tol, passed, error=None, kind="true") -> bool:
+        check = Check(name, self.rank, measured, reference, tol, bool(passed), error, self._extra, kind)
+        self.checks.append(check)
         return bool(passed)
 
     def result(self) -> dict[str, Any]:
         """What travels back to the driver: plain data only."""
-        return {"checks": [asdict(c) for c in self.checks], "series": self.series, "notes": self.notes}
+        return {
+            "checks": [asdict(c) for c in self.checks],
+            "series": self.series,
+            "figures": self.figures,
+            "notes": self.notes,
+        }
 
 
 class StrictChecks(CaseContext):
@@ -205,8 +231,8 @@ class StrictChecks(CaseContext):
         """The test's mesh (``StrictChecks(dp=2)``; default: 1-D over the world)."""
         return self.mesh_of(**self._mesh_dims)
 
-    def _record(self, name, measured, reference, tol, passed, error=None) -> bool:
-        super()._record(name, measured, reference, tol, passed, error)
+    def _record(self, name, measured, reference, tol, passed, error=None, kind="true") -> bool:
+        super()._record(name, measured, reference, tol, passed, error, kind)
         if not passed:
             raise AssertionError(
                 f"{name}: measured {measured}, reference {reference}, error {error}, tol {tol} (rank {self.rank})"

@@ -116,6 +116,7 @@ class RankCluster:
         self._watchdog = watchdog
         self._own_stack_dir = own_stack_dir
         self._store: Any = None
+        self._store_id = f"{os.getpid()}-{secrets.token_hex(6)}"  # engines keep one client per store
         self._store_host = os.environ.get(STORE_HOST_ENV, "127.0.0.1")
         self._lock = threading.RLock()
         self._run_seq = 0
@@ -133,8 +134,11 @@ class RankCluster:
         profile: str | None = None,
         startup_timeout: float = 60,
         implementation: str | None = None,
+        engine_env: dict[str, str] | None = None,
     ) -> RankCluster:
-        """Start a controller and n_engines local engines (engine i = rank i); bounded by startup_timeout."""
+        """Start a controller and n_engines local engines (engine i = rank i); bounded by startup_timeout.
+        ``engine_env``: variables the engines start with besides this process's (``ATEN_CPU_CAPABILITY``,
+        read when torch is imported, must be there from the start)."""
         if n_engines < 1:
             raise ValueError(f"n_engines must be >= 1, got {n_engines}")
         ipp = _ipp()
@@ -161,7 +165,7 @@ class RankCluster:
         watchdog = start_watchdog(token, leftovers)
         rc = None
         try:
-            env = {OWNER_ENV: token, "IPP_NONINTERACTIVE": "1", "PYTHONUNBUFFERED": "1"}
+            env = {**(engine_env or {}), OWNER_ENV: token, "IPP_NONINTERACTIVE": "1", "PYTHONUNBUFFERED": "1"}
             if sys.platform.startswith("linux"):
                 env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")  # local ranks
             cluster.start_controller_sync(environment=dict(env))
@@ -285,6 +289,7 @@ class RankCluster:
                 "world_size": world_size,
                 "host": self._store_host,
                 "port": self._store_port(),
+                "store_id": self._store_id,
                 "prefix": f"hpkit/{os.getpid()}/{id(self):x}/{self._run_seq}",
                 "backend": backend,
                 "timeout": float(timeout),

@@ -189,7 +189,8 @@ def render_notebook(notebook: Path, page: Path, banner: str = "") -> Path:
 
 
 def tagged_output_html(notebook: Path, tag: str) -> str:
-    """The text/html outputs of the cells tagged ``tag`` in an executed notebook, joined."""
+    """The HTML outputs of the cells tagged ``tag`` in an executed notebook, joined: their text/html,
+    and their PNG pictures as embedded images."""
     import nbformat
 
     nb = nbformat.read(notebook, as_version=4)
@@ -197,9 +198,14 @@ def tagged_output_html(notebook: Path, tag: str) -> str:
     for cell in nb.cells:
         if cell.cell_type == "code" and tag in cell.metadata.get("tags", []):
             for out in cell.get("outputs", []):
-                data = out.get("data", {}).get("text/html")
-                if data:
-                    parts.append(data if isinstance(data, str) else "".join(data))
+                data = out.get("data", {})
+                if data.get("text/html"):
+                    parts.append(
+                        data["text/html"] if isinstance(data["text/html"], str) else "".join(data["text/html"])
+                    )
+                elif data.get("image/png"):
+                    png = "".join(data["image/png"]).replace("\n", "")
+                    parts.append(f"<img style='max-width:100%' src='data:image/png;base64,{png}'>")
     return "".join(parts)
 
 
@@ -212,9 +218,10 @@ def status_badge(status: str) -> str:
     )
 
 
-def case_banner(row: dict[str, Any], links: dict[str, str], failing_rows: str) -> str:
-    """The top of a case's page: status, links, provenance, and for a case that did not pass its
-    first failure and its failing rows (the verdict table puts them first)."""
+def case_banner(row: dict[str, Any], links: dict[str, str], failing_rows: str, plan: str = "") -> str:
+    """The top of a case's page: status, links, provenance, for a case that did not pass its first
+    failure and its failing rows (the verdict table puts them first), then ``plan``: the plan's
+    assertions and the figures it names (the notebook's plan cells), so the page leads with them."""
     anchors = " | ".join(f"<a href='{html.escape(href)}'>{html.escape(text)}</a>" for text, href in links.items())
     parts = [
         "<div id='hpkit-banner' style='font-family:sans-serif;margin:12px 24px;padding:10px 14px;"
@@ -228,11 +235,14 @@ def case_banner(row: dict[str, Any], links: dict[str, str], failing_rows: str) -
     if row["status"] != "PASS":
         first = row.get("first_failure") or row.get("failure") or ""
         parts.append(f"<pre style='white-space:pre-wrap;margin:8px 0'>{html.escape(first)}</pre>")
+        failing_rows = failing_rows.split("<details>", 1)[0]  # the folded list of every check stays below
         if failing_rows:
             only = _PASSING_ROW.sub("", failing_rows)
             parts.append(f"<div class='hpkit-failing'>{only}</div>")
             if only != failing_rows:
                 parts.append("<div style='font-size:12px'>passing rows: in the verdict table below</div>")
+    if plan:
+        parts.append(f"<div class='hpkit-plan-head' style='margin-top:8px'>{plan}</div>")
     parts.append("</div>")
     return "".join(parts)
 

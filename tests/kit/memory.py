@@ -8,8 +8,10 @@
 - ``saved_bytes``: the peak bytes of the distinct storages autograd holds for backward, at their
   current size (a param storage freed by resharding after forward counts 0 until re-gathered).
 
-``bytes`` is the measure the plan's cases compare (L2-04): the allocator's peak above the start on
-CUDA, ``saved_bytes`` on CPU. Both drop under activation checkpointing.
+``bytes`` is the measure the plan's cases compare (L2-04, "peak memory"): the allocator's peak above
+the start on CUDA, the peak of live storages (``peak``) on CPU; both count the recomputation, the
+unsharded params and the grads, not only what autograd saves. Both drop under activation
+checkpointing, and so does ``saved_bytes``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from tests.kit.surface import impl
 class MemoryPeak:
     """Filled in when the ``peak_memory`` block ends."""
 
-    bytes: int = 0  # the plan's measure: CUDA allocator peak above the start; CPU: saved_bytes
+    bytes: int = 0  # the plan's measure: CUDA allocator peak above the start; CPU: peak of live storages
     what: str = ""
     peak: int = 0  # peak bytes of live tensors (see the module docstring)
     saved_bytes: int = 0  # peak bytes held for backward
@@ -224,5 +226,5 @@ def peak_memory(device: torch.device | str = "cpu", holding: Iterable[Any] = ())
         result.what = "CUDA allocator peak above the start"
     else:
         result.peak = counter.peak
-        result.bytes = counter.saved_peak
-        result.what = "peak bytes saved for backward"
+        result.bytes = counter.peak
+        result.what = "peak bytes of live storages"

@@ -8,7 +8,8 @@ fp32 on the CPU; move it with ``.to(device)``. Presets (the plan's L3 rows, docs
 - ``llm_decoder()``: L3-01/02, 4 layers, vocab 1024, hidden 256 (data: seq ``LLM_SEQ``).
 - ``moe_decoder()``: L3-03 (and L2-10), layers 1 and 3 MoE with 4 experts, top-2, expert dim 2 x hidden.
 - ``chunked_ce_decoder()``: L3-05, 2 layers, vocab 32768; ``Decoder.forward(tokens, targets)`` gives the
-  chunked cross entropy (``chunked_cross_entropy``) computed inside forward, where sharded params are whole.
+  chunked cross entropy (``chunked_cross_entropy``: fp32 per token, summed in float64) computed inside forward,
+  where sharded params are whole; ``whole_loss=True`` adds the CE of the whole logits, computed apart.
 - ``vit()``: L3-04; ``Multimodal(seed)``: L3-06 (ViT -> projector -> decoder, with DeepStack).
 
 Under ``fully_shard`` a module's params are whole only inside its ``forward``, so every use a case needs
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,7 @@ from tests.kit.moe import MoE, expert_name_map, expert_params, moe_modules, spli
 
 __all__ = [
     "CE_CHUNK",
+    "ChunkedLoss",
     "LLM_SEQ",
     "MOE_SEQ",
     "Decoder",
@@ -53,6 +56,7 @@ __all__ = [
     "split_experts",
     "summed_cross_entropy",
     "token_batch",
+    "whole_cross_entropy",
 ]
 
 LLM_SEQ = 128  # sequence length of L3-01/02 data
@@ -73,26 +77,55 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+# Each token's cross entropy is computed in fp32; the mean over the tokens is summed in float64.
+# The plan's 1e-6 between the sum of the chunk losses and the whole loss is one ulp of an fp32 loss
+# of 10 (9.5e-7), which two fp32 sums of 544 terms in different orders cannot promise; summed in
+# float64 they agree to ~1e-15 unless the chunking itself is wrong (a chunk dropped, or divided by
+# its own length).
+SUM_DTYPE = torch.float64
+
+
+def _token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each token's cross entropy (fp32 logits [N, V], targets [N]), in float64 for the sum."""
+    picked = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
+    return torch.logsumexp(logits, dim=1).to(SUM_DTYPE) - picked.to(SUM_DTYPE)
+
+
+class ChunkedLoss(NamedTuple):
+    """What the chunked cross entropy returns."""
+
+    total: torch.Tensor  # the chunk losses added in order: what backward runs through
+    chunks: list[torch.Tensor]  # each chunk's summed CE over the total token count
+    whole: torch.Tensor | None  # the mean CE of all the logits at once, computed apart (no grad), if asked
+
+
 def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, total: int) -> torch.Tensor:
     """Summed CE of one chunk divided by the total token count (chunk losses add up to the mean)."""
-    return F.cross_entropy(hidden @ weight.t(), targets, reduction="sum") / total
+    return _token_losses(hidden @ weight.t(), targets).sum() / total
+
+
+def whole_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean CE of ``hidden [N, H] @ weight[V, H].T`` at once, without grad: the loss chunking must keep."""
+    with torch.no_grad():
+        return _token_losses(hidden @ weight.t(), targets).mean()
 
 
 def chunked_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = CE_CHUNK
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = CE_CHUNK, whole: bool = False
+) -> ChunkedLoss:
     """Mean CE of ``hidden [N, H] @ weight[V, H].T`` against ``targets [N]``, ``chunk`` tokens at a time.
 
     Each chunk runs under non-reentrant checkpoint, so its [chunk, V] logits are recomputed in backward
-    instead of kept. Returns (total, per-chunk losses); ``total`` is the per-chunk losses added in order
-    (``sum(per_chunk)``), so that sum equals it bitwise.
+    instead of kept. ``total`` is the per-chunk losses added in order; with ``whole`` the CE of the whole
+    logits is computed apart too (``whole_cross_entropy``), to check the chunks against.
     """
     n = hidden.shape[0]
     losses = [
         checkpoint(_chunk_loss, h, weight, t, n, use_reentrant=False)
         for h, t in zip(hidden.split(chunk), targets.split(chunk), strict=True)
     ]
-    return sum(losses[1:], losses[0]), losses
+    witness = whole_cross_entropy(hidden, weight, targets) if whole else None
+    return ChunkedLoss(sum(losses[1:], losses[0]), losses, witness)
 
 
 # --------------------------------------------------------------------------------------
@@ -171,8 +204,10 @@ class Decoder(nn.Module):
         prefix: torch.Tensor | None = None,
         inject: Injection | None = None,
         ce_chunk: int = CE_CHUNK,
-    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
-        """Logits [B, S, vocab] of tokens [B, S]; with ``targets`` instead the chunked CE (total, per-chunk).
+        whole_loss: bool = False,
+    ) -> torch.Tensor | ChunkedLoss:
+        """Logits [B, S, vocab] of tokens [B, S]; with ``targets`` instead the chunked CE (``ChunkedLoss``;
+        ``whole_loss``: with the CE of the whole logits computed apart).
 
         Everything runs inside forward (the loss too), because a ``fully_shard``-ed module's params are
         whole only there: call the other methods directly only on unsharded models. ``prefix``: embeddings
@@ -183,7 +218,7 @@ class Decoder(nn.Module):
         if targets is None:
             return self.head(hidden)
         return chunked_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]), self.head.weight, targets.reshape(-1), ce_chunk
+            hidden.reshape(-1, hidden.shape[-1]), self.head.weight, targets.reshape(-1), ce_chunk, whole_loss
         )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 from tests.kit.case import Case, Check, load_plan_cases
 from tests.kit.cluster import RankCluster
 from tests.kit.levels import LEVELS
+from tests.kit.plan import judge as judge_plan
 from tests.kit.surface import parse_spec
 from tests.kit.verdict import Verdict, judge_case
 
@@ -59,11 +61,19 @@ def _id_key(case_id: str) -> tuple:
     return (0, int(number), layout) if number.isdigit() else (1, 0, rest)
 
 
+JOIN_ENV = "HPKIT_JOIN_CLUSTER"  # "PROFILE:CLUSTER_ID": the cluster a notebook joins when given none
+
+
 def connect(cluster_id: str = "", profile: str = "", engines: int = 4, implementation: str = "") -> RankCluster:
     """Join the running cluster ``cluster_id`` (the sweep's), or start one of ``engines`` ranks
-    running ``implementation`` (a spec of ``tests.kit.surface``; '' = this repository's engine)."""
+    running ``implementation`` (a spec of ``tests.kit.surface``; '' = this repository's engine).
+
+    Without ``cluster_id``, a notebook of our engine joins the cluster named by ``HPKIT_JOIN_CLUSTER``
+    if it is set: ``make test`` sets it so the notebooks nbval runs share the session's cluster."""
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")
     spec = str(parse_spec(implementation)) if implementation else ""
+    if not cluster_id and not spec and os.environ.get(JOIN_ENV):
+        profile, _, cluster_id = os.environ[JOIN_ENV].rpartition(":")
     if cluster_id:
         return RankCluster.join(cluster_id, profile=profile or None, implementation=spec or None)
     return RankCluster.start(engines, profile=profile or None, implementation=spec or None)
@@ -78,6 +88,7 @@ def run_cases(
     A joined cluster cannot renew engines it does not own: with ``isolate`` its owner must hand
     over fresh engines (the sweep renews them before each case's notebook) for one case."""
     from tests.kit.evidence import engines_fresh, provenance
+    from tests.kit.verdict_store import share
 
     verdicts = []
     owner_renews = isolate and cluster.cluster is None
@@ -98,14 +109,60 @@ def run_cases(
             backend=requested,
         )
         verdict.origin = provenance(cluster, spec.world_size, requested or spec.backend, verdict.origin)
+        share(verdict, cluster.implementation)  # this session's pytest case judges it (verdict_store)
         print(verdict.summary(), flush=True)
         verdicts.append(verdict)
     return verdicts
 
 
 # -- what nbval checks -----------------------------------------------------------------------
+# What a passing check saw but does not decide (an inequality's measured value, a float that an
+# exact check agreed on) is shown between these marks; notebooks/nbval_sanitize.cfg masks it, as
+# it masks ``err=``: the recorded text holds on any machine where the verdicts do.
+SEEN_OPEN, SEEN_CLOSE = "\u27e8", "\u27e9"  # ⟨ ⟩
+_DECIMAL = re.compile(r"(?<![\w.])-?\d+\.\d+(?:e[-+]?\d+)?")
+
+
+def seen(value: float | str) -> str:
+    """``value`` between the marks that nbval masks (the sanitizer's ``seen`` rule)."""
+    return f"{SEEN_OPEN}{_plain(value)}{SEEN_CLOSE}"
+
+
+def _plain(value: float | str | None) -> str:
+    """A number as the checks record it (counts arrive as floats: 3.0 -> 3), text as it is."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return str(value)
+
+
+def _decided(value: float | str) -> str:
+    """A value an exact check decided: shown, but any fraction in it (a float, a decimal inside a
+    text) between the masking marks, since its last digits are the machine's, not the check's."""
+    if isinstance(value, float) and not value.is_integer():
+        return seen(value)
+    return _DECIMAL.sub(lambda m: seen(m.group(0)), _plain(value))
+
+
+def _what_it_saw(group: list[Check]) -> str:
+    """The part of a merged row after the name: the worst error (masked by nbval), or for checks
+    without an error what the verdict depends on (a failing row: both values, masked)."""
+    errors = [c.error for c in group if c.error is not None]
+    if errors:
+        return f"err={max(errors):.3e}"
+    first = next((c for c in group if not c.passed), group[0])
+    if not first.passed:  # the word FAIL tells; the values vary with the machine (the table has them)
+        return f"{seen(first.measured)} vs {seen(first.reference)}"
+    if first.kind == "equal":
+        return f"= {_decided(first.measured)}"
+    measured = seen(first.measured) if _plain(first.measured) else ""
+    # an inequality's bound, or a number it compared with, is measured too; a text ("> 0") is not
+    bound = first.kind == "at_most" or isinstance(first.reference, float)
+    reference = seen(first.reference) if bound else _decided(first.reference)
+    return f"{measured} vs {reference}".strip()
+
+
 def _merged(checks: list[Check]) -> list[tuple[str, float | None, float | None, str, bool]]:
-    """One row per check name: worst error over ranks, its tolerance, what was seen, pass.
+    """One row per check name: worst error over ranks, its tolerance, what the text shows, pass.
     Extra checks (beyond the plan) are named ``[extra] ...``."""
     rows: dict[str, list[Check]] = {}
     for check in checks:
@@ -114,15 +171,20 @@ def _merged(checks: list[Check]) -> list[tuple[str, float | None, float | None, 
     merged = []
     for name, group in rows.items():
         errors = [c.error for c in group if c.error is not None]
-        seen = "" if errors else f"{group[0].measured} vs {group[0].reference}"
-        merged.append((name, max(errors) if errors else None, group[0].tol, seen, all(c.passed for c in group)))
+        passed = all(c.passed for c in group)
+        merged.append((name, max(errors) if errors else None, group[0].tol, _what_it_saw(group), passed))
     return merged
 
 
 def verdict_text(verdict: Verdict) -> str:
-    """The deterministic text of one verdict: per check, pass/FAIL with its tolerance."""
+    """The text of one verdict that nbval compares: the plan's assertions (pass / FAIL / not run /
+    no check, and how many checks judge each), then per check pass/FAIL with its tolerance and what
+    it decides; measured values it does not decide are masked (``err=``, ``⟨...⟩``)."""
     head = f"{verdict.case.id} {verdict.case.name} [{verdict.case.world_size} ranks, {verdict.case.config}]"
     lines = [f"{head}: {verdict.status}"]
+    for row in judge_plan(verdict):
+        count = f"[{row.checks} checks]" if row.assertion.judged_by == "checks" else f"[{row.assertion.judged_by}]"
+        lines.append(f"  plan {row.status}: {row.assertion.says} {count}")
     if verdict.unsupported:
         lines.append("  unsupported: " + ", ".join(verdict.unsupported))
     if verdict.leak:
@@ -130,10 +192,9 @@ def verdict_text(verdict: Verdict) -> str:
     lines.extend(f"  note: {note}" for note in verdict.notes)
     if verdict.failure:
         lines.append("  run failed: " + verdict.failure.splitlines()[0])
-    for name, error, tol, seen, passed in sorted(_merged(verdict.checks), key=lambda row: row[4]):  # FAIL first
-        measure = f"err={error:.3e}" if error is not None else seen
+    for name, _, tol, shown, passed in sorted(_merged(verdict.checks), key=lambda row: row[4]):  # FAIL first
         limit = f"tol={tol:g}" if tol is not None else ""
-        lines.append(f"  {'pass' if passed else 'FAIL'}  {name}  {measure}  {limit}".rstrip())
+        lines.append(f"  {'pass' if passed else 'FAIL'}  {name}  {shown}  {limit}".rstrip())
     return "\n".join(lines)
 
 
@@ -142,9 +203,25 @@ def print_verdicts(verdicts: list[Verdict]) -> None:
         print(verdict_text(verdict))
 
 
-def verdicts_html(verdicts: list[Verdict]) -> str:
-    """Every verdict as an HTML table, failing rows first."""
-    return "".join(v.html() for v in verdicts)
+def plans_html(verdicts: list[Verdict]) -> str:
+    """The plan's assertions of every case, judged (``tests.kit.plan_page``)."""
+    from tests.kit.plan_page import plans_html as tables
+
+    return tables(verdicts)
+
+
+def checks_html(verdicts: list[Verdict]) -> str:
+    """Every check, folded; failing rows in view (``tests.kit.plan_page``)."""
+    from tests.kit.plan_page import folded_checks_html
+
+    return folded_checks_html(verdicts)
+
+
+def plot_figures(verdicts: list[Verdict]) -> Any:
+    """The figures the plan names, as the cases drew them (``tests.kit.plan_page``)."""
+    from tests.kit.plan_page import plot_figures as bars
+
+    return bars(verdicts)
 
 
 def print_provenance(verdicts: list[Verdict]) -> None:

@@ -143,6 +143,43 @@ def _wait_until_every_rank_joined(backend: str) -> None:
         dist.barrier()
 
 
+THREADS_ENV = "HPKIT_RANK_THREADS"  # torch threads per rank; unset: the cores shared by the ranks
+
+
+def threads_per_rank(world_size: int) -> int:
+    """``HPKIT_RANK_THREADS`` if set (another thread count changes the last digits of CPU
+    arithmetic: the kit's test of machine-independent notebook text uses it), else the cores
+    shared evenly by the run's ranks."""
+    wanted = os.environ.get(THREADS_ENV, "").strip()
+    if wanted:
+        return max(1, int(wanted))
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def _store_key(spec: dict) -> str:
+    return spec.get("store_id") or f"{spec['host']}:{spec['port']}"
+
+
+def _store_client(spec: dict, timeout: timedelta) -> Any:
+    """This engine's client of the driver's TCPStore, connected once per store and kept.
+
+    A fresh client per run stalls about one connect in ten for 5 s (seen on 2 cores, gloo, torch
+    2.13); every run of a driver shares its store anyway (each under its own key prefix). Keyed by
+    the store's id, not its port: a port a dead driver held may come back for another store."""
+    import torch.distributed as dist
+
+    stores: dict[str, Any] = _ENGINE_STATE.setdefault("stores", {})
+    key = _store_key(spec)
+    store = stores.get(key)
+    if store is None:
+        store = dist.TCPStore(spec["host"], spec["port"], is_master=False, timeout=timeout)
+        while len(stores) >= 4:  # stores of drivers that have moved on: drop the oldest
+            stores.pop(next(iter(stores)))
+        stores[key] = store
+    store.set_timeout(timeout)
+    return store
+
+
 def rank_entry(rank: int, spec: dict, fn_obj: Callable | None, args: tuple, kwargs: dict) -> Any:
     """Engine side of a run: join a fresh process group, call fn, always destroy the group."""
     import torch
@@ -154,7 +191,7 @@ def rank_entry(rank: int, spec: dict, fn_obj: Callable | None, args: tuple, kwar
     ns.pop("_last_result", None)
     ns["_last_error"] = ns["_last_traceback"] = None
     ns["_rank"] = rank
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(threads_per_rank(world_size))
     backend = _choose_backend(spec["backend"], world_size)
     ns["_last_run"] = {
         "fn": spec["fn_name"],
@@ -169,7 +206,7 @@ def rank_entry(rank: int, spec: dict, fn_obj: Callable | None, args: tuple, kwar
     try:
         if backend == "nccl" and torch.cuda.device_count():
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = dist.TCPStore(spec["host"], spec["port"], is_master=False, timeout=timeout)
+        store = _store_client(spec, timeout)
         dist.init_process_group(
             backend, store=dist.PrefixStore(spec["prefix"], store), rank=rank, world_size=world_size, timeout=timeout
         )
@@ -177,6 +214,8 @@ def rank_entry(rank: int, spec: dict, fn_obj: Callable | None, args: tuple, kwar
         torch.manual_seed(0)
         result = fn(*args, **kwargs)
     except BaseException as exc:
+        # an interrupted request may still have its answer in flight on the store's socket
+        _ENGINE_STATE.get("stores", {}).pop(_store_key(spec), None)
         ns["_last_error"] = exc
         ns["_last_traceback"] = traceback.format_exc()
         raise

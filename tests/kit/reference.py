@@ -41,7 +41,10 @@ class SameDtypeReference:
     own data, then averages grads explicitly in the reduce dtype and steps fp32 master weights.
 
     This is what a correct mixed-precision data-parallel engine computes, without any sharding.
-    With ``accumulate_in_fp32`` the reduced grads accumulate into fp32 (main-grad semantics).
+    With ``global_batch`` it is the plan's single card in the compute dtype instead: one copy runs
+    the global batch (every rank's batch, in rank order) and its grads, computed in the compute
+    dtype, are the master grads as they are, with no reduction at all (compare the mean of the
+    model's per-rank losses).
     """
 
     def __init__(
@@ -51,6 +54,7 @@ class SameDtypeReference:
         reduce_dtype: torch.dtype | None = None,
         output_dtype: torch.dtype | None = None,
         cast_forward_inputs: bool = True,
+        global_batch: bool = False,
     ) -> None:
         self.master = copy.deepcopy(model)
         self.compute = copy.deepcopy(model).to(param_dtype)
@@ -58,6 +62,7 @@ class SameDtypeReference:
         self.reduce_dtype = reduce_dtype or param_dtype
         self.output_dtype = output_dtype
         self.cast_forward_inputs = cast_forward_inputs
+        self.global_batch = global_batch
         self._unreduced: dict[str, torch.Tensor] = {}
 
     def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
@@ -70,6 +75,8 @@ class SameDtypeReference:
         with torch.no_grad():
             for master, compute in zip(self.master.parameters(), self.compute.parameters(), strict=True):
                 compute.copy_(master)
+        if self.global_batch:
+            x = torch.cat(gather_from(x))
         if self.cast_forward_inputs and x.is_floating_point():
             x = x.to(self.param_dtype)
         out = self.compute(x)
@@ -81,14 +88,16 @@ class SameDtypeReference:
         for (name, master), compute in zip(self.master.named_parameters(), self.compute.parameters(), strict=True):
             if compute.grad is None:
                 continue
-            grad = compute.grad.to(self.reduce_dtype)
+            # the single card's grads stay as computed (the compute dtype); no reduction follows
+            grad = compute.grad if self.global_batch else compute.grad.to(self.reduce_dtype)
             compute.grad = None
             if name in self._unreduced:
                 grad = self._unreduced.pop(name).add_(grad)
             if not sync:
                 self._unreduced[name] = grad
                 continue
-            dist.all_reduce(grad, op=dist.ReduceOp.AVG)
+            if not self.global_batch:
+                dist.all_reduce(grad, op=dist.ReduceOp.AVG)
             grad = grad.to(master.dtype)
             master.grad = grad if master.grad is None else master.grad.add_(grad)
 

@@ -53,6 +53,7 @@ FEATURES: dict[str, str] = {
     "submesh": "fully_shard on a named sub-mesh of a larger mesh (pp, ep beside dp)",
     "reshard_after_forward": "reshard_after_forward=True/False at construction",
     "uneven": "params whose sharded dim does not divide by the ranks (padded shards)",
+    "uneven_other_dims": "uneven shards on a dim other than 0 (Shard(1) of an odd width)",
     "cpu_offload": "CPUOffloadPolicy",
     "replicate_params": "fully_shard(replicate_params=...)",
     "comm_fusion": "fully_shard(comm_fusion=True/False)",

@@ -207,7 +207,8 @@ def _render(row: dict[str, Any], notebook: Path, page: Path, results: Path, run_
     }
     try:
         failing = tagged_output_html(notebook, "verdict-table") if row["status"] != "PASS" else ""
-        render_notebook(notebook, page, case_banner(row, links, failing))
+        plan = tagged_output_html(notebook, "plan-table") + tagged_output_html(notebook, "plan-figures")
+        render_notebook(notebook, page, case_banner(row, links, failing, plan))
     except Exception as exc:  # noqa: BLE001 - the notebook stays the evidence; the index says why
         row["page"] = None
         row["page_error"] = f"{type(exc).__name__}: {exc}"

@@ -178,12 +178,27 @@ def _reference_step(
     return loss
 
 
+GradNorms = Callable[[], tuple[torch.Tensor, torch.Tensor]]
+
+
 def _check_grads_and_step(
-    ctx: CaseContext, prefix: str, model: Any, reference: Any, opts: Optimizers, tol: Tolerance, params: bool
+    ctx: CaseContext,
+    prefix: str,
+    model: Any,
+    reference: Any,
+    opts: Optimizers,
+    tol: Tolerance,
+    params: bool,
+    global_norms: GradNorms | None = None,
+    part: bool = False,
 ) -> None:
     """Grad norm and element-wise grads against the reference, one optimizer step on both, params.
-    ``model``: the model, or its params by name."""
-    ctx.close(f"{prefix} grad norm", grad_norm(model), grad_norm(reference), tol.grad)
+    ``model``: the model, or its params by name (``part``: a part of the model, whose norm is not the
+    model's: named so, and ``global_norms()`` gives the model's and the reference's global norms)."""
+    if global_norms is not None:
+        ctx.close(f"{prefix} global grad norm", *global_norms(), tol.grad)
+    label = "grad norm of this rank's part" if part else "grad norm"
+    ctx.close(f"{prefix} {label}", grad_norm(model), grad_norm(reference), tol.grad)
     record_grads(ctx, prefix, model, reference, tol.grad)
     step_optimizers(opts)
     if params:
@@ -207,6 +222,7 @@ def train_against(
     model_step: Callable[[Any, Any], torch.Tensor] | None = None,
     names: Mapping[str, str] | None = None,
     trajectory: dict[str, torch.Tensor] | None = None,
+    global_norms: GradNorms | None = None,
 ) -> Optimizers:
     """One optimizer step per batch on both; record loss, grad norm, grads and params per step.
 
@@ -219,7 +235,9 @@ def train_against(
     ``GlobalBatchReference`` computes). ``model_step(model, batch)`` runs the model's forward
     and backward itself and returns its loss (a pipeline schedule); by default ``loss_fn`` then
     ``backward``. ``names`` (ours -> the reference's) compares a part of the model only (a
-    pipeline stage, an expert-parallel rank's experts); the reference is always the whole model.
+    pipeline stage, an expert-parallel rank's experts); the reference is always the whole model, and
+    the grad norm of such a part is named so; ``global_norms()`` (collective) returns the model's
+    global grad norm and the reference's, checked as the step's global grad norm.
     Returns both optimizers, to continue training or to checkpoint them.
     """
     make_optimizer = make_optimizer or _adam
@@ -245,7 +263,8 @@ def train_against(
             loss = mean_over_ranks(loss)
         ctx.step(f"{prefix}loss", loss, ref_loss)
         ctx.close(f"{prefix}step {step} loss", loss, ref_loss, tol.loss)
-        _check_grads_and_step(ctx, f"{prefix}step {step}", stepped, references, opts, tol, params)
+        where = f"{prefix}step {step}"
+        _check_grads_and_step(ctx, where, stepped, references, opts, tol, params, global_norms, names is not None)
         if trajectory is not None:
             _keep(trajectory, f"step {step} after the optimizer", None, stepped, grads=False)
     return opts

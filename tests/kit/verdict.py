@@ -27,6 +27,7 @@ class Verdict:
     case: Case
     checks: list[Check] = field(default_factory=list)
     series: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    figures: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # every rank's bars, merged
     failure: str | None = None  # traceback / stacks when the run itself failed
     failure_kind: str | None = None  # ERROR, TIMEOUT, DIED or UNSUPPORTED when the run failed
     unsupported: list[str] = field(default_factory=list)  # features lacking or refused
@@ -126,9 +127,9 @@ class Verdict:
             parts.append(self.failure)
         return "\n".join(parts)
 
-    def html(self) -> str:
-        """An HTML table for notebooks: failing rows first, red."""
-        rows = sorted(self.checks, key=lambda c: c.passed)
+    def html_rows(self, checks: list[Check]) -> str:
+        """An HTML table of these checks: failing rows first, red."""
+        rows = sorted(checks, key=lambda c: c.passed)
         cells = "".join(
             "<tr style='background:{}'>{}</tr>".format(
                 "#fde2e2" if not c.passed else "#ffffff",
@@ -137,8 +138,12 @@ class Verdict:
             for c in rows
         )
         head = "".join(f"<th>{h}</th>" for h in ("check", "rank", "measured", "reference", "error", "tol", "verdict"))
+        return f"<table><tr>{head}</tr>{cells}</table>"
+
+    def html(self) -> str:
+        """An HTML table of every check for notebooks: failing rows first, red."""
         failure = f"<pre>{html.escape(self.failure)}</pre>" if self.failure else ""
-        return f"<h4>{html.escape(self.summary())}</h4><table><tr>{head}</tr>{cells}</table>{failure}"
+        return f"<h4>{html.escape(self.summary())}</h4>{self.html_rows(self.checks)}{failure}"
 
     def assert_passed(self, extras: bool = True) -> None:
         """Raise with the report unless the plan checks (and, by default, the extras) passed."""
@@ -182,6 +187,17 @@ def _judge_failure(verdict: Verdict, failure: RankFailure) -> None:
         verdict.failure_kind = "ERROR"
 
 
+def _merged_figures(results: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Every rank's bars in one figure each (a label two ranks draw: the lower rank's)."""
+    merged: dict[str, dict[str, dict[str, float]]] = {}
+    for result in results:
+        for figure, groups in result.get("figures", {}).items():
+            into = merged.setdefault(figure, {})
+            for label, values in groups.items():
+                into.setdefault(label, values)
+    return merged
+
+
 def run_case(cluster: RankCluster, case_id: str, timeout: float | None = None, backend: str | None = None) -> Verdict:
     """Run one registered case on the cluster's first ``world_size`` engines and judge it.
 
@@ -204,6 +220,7 @@ def run_case(cluster: RankCluster, case_id: str, timeout: float | None = None, b
         for result in results:
             verdict.checks.extend(Check(**c) for c in result["checks"])
         verdict.series = results[0]["series"]
+        verdict.figures = _merged_figures(results)
         verdict.unsupported = results[0]["unsupported"]
         verdict.origin = results[0]["origin"]
         verdict.notes = results[0].get("notes", [])

@@ -11,7 +11,8 @@ replicated params, switching comm fusion off, fp32 main grads, ``Replicate()`` p
 ``zero_grad`` of locally accumulated (unsynced) grads, and ``set_requires_all_reduce(False)`` as
 the plan means it (HSDP grads reduce-scattered within the replica group and usable as they are:
 FSDP2 instead holds the partial result back and leaves ``.grad`` unset until an all-reducing
-backward, a gradient-accumulation device), and refusing every bad argument before any change
+backward, a gradient-accumulation device), uneven shards on dims other than 0 (FSDP2 refuses them),
+and refusing every bad argument before any change
 (FSDP2 checks some, not all: ``CPUOffloadPolicy(pin_memory="yes")`` is accepted).
 """
 
@@ -37,6 +38,7 @@ LACKING = {
     "zero_grad",
     "all_reduce_control",
     "argument_checks",
+    "uneven_other_dims",
 }
 
 

@@ -63,6 +63,7 @@ LACKING: dict[str, str] = {
     "uneven": "TorchHSDPParamV2._init_sharded_param (platform/torch/fully_shard/param.py) raises "
     "NotImplementedError('Uneven sharding on dim ... not supported') for any param whose sharded dim "
     "does not divide by the shard group",
+    "uneven_other_dims": "no uneven sharding on any dim (see uneven)",
     "replicate_params": "fully_shard (core/fully_shard/api.py) has no replicate_params keyword",
     "comm_fusion": "fully_shard has no comm_fusion keyword; HSDPConfigV2 hard-codes it off and "
     "HSDPState.unshard raises 'comm_fusion is deprecated'",

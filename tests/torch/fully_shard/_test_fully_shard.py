@@ -157,7 +157,7 @@ def uneven_shapes(ctx: CaseContext) -> None:
     )
     ctx.run_part(
         "Shard(1) over 4 ranks",
-        ("shard_placement_fn",),
+        ("shard_placement_fn", "uneven_other_dims"),
         lambda: _uneven_part(ctx, "Shard(1)", ctx.mesh, fp32, placement=_shard_cols),
     )
     ctx.run_part(

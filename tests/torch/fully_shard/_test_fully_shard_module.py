@@ -541,10 +541,11 @@ def zero_grad(ctx: CaseContext) -> None:
     needs=("unshard_reshard",),
 )
 def manual_reshard_unshard_lifecycle(ctx: CaseContext) -> None:
-    """unshard(async_op=True) twice, wait() on the handles, unshard() again: nothing raised, one
-    all-gather, the group's own params full (readable, equal to the reference weights: the initial
-    ones, then DDP's after 2 optimizer steps), the other groups' still sharded; reshard() twice:
-    nothing communicated, every param back to its shard, the unsharded tensors freed."""
+    """unshard(async_op=True) twice, then the first handle's wait(): right then the group's own
+    params are full and readable (equal to the reference weights: the initial ones, then DDP's after
+    2 optimizer steps), the other groups' still sharded; more waits and a synchronous unshard():
+    nothing raised, no further all-gather, the same params; reshard() twice: nothing communicated,
+    every param back to its shard, the unsharded tensors freed."""
     world, rank = ctx.world_size, ctx.rank
     model = MLP(DIMS)
     ddp = ddp_of(model)
@@ -561,40 +562,53 @@ def manual_reshard_unshard_lifecycle(ctx: CaseContext) -> None:
             where = f"{label} {target_name}"
             handles: list = []
             recorded: list[CollectiveRecorder] = []
+            want = {name: full_numel[name] if name in own else shard_numel[name] for name in full_numel}
 
-            def unshard_repeatedly(target: nn.Module = target, handles: list = handles, recorded: list = recorded):
+            def readable(when: str, where: str = where, own: tuple = own, want: dict = want) -> None:
+                """The group's own params full and equal to the reference, the others still sharded."""
+                _record_numels(ctx, f"{where} {when}", model, want, full_numel)
+                params = named_params(model)
+                for name in own:
+                    param = params[name]
+                    ctx.true(f"{where} {when}: {name} a plain tensor", not impl.is_sharded(param), type(param).__name__)
+                    if tol is None:
+                        ctx.equal(f"{where} {when}: {name} == reference weights", param, refs[name])
+                    else:
+                        ctx.close(f"{where} {when}: {name} vs reference weights", param, refs[name], tol)
+
+            def unshard_async_then_wait(target: nn.Module = target, handles: list = handles, recorded: list = recorded):
                 with record_collectives() as first:
                     handles.append(target.unshard(async_op=True))
                 with record_collectives() as repeated:
                     handles.append(target.unshard(async_op=True))  # again while in flight
+                handles[0].wait()
+                recorded.extend((first, repeated))
+
+            raises_nothing(ctx, f"{where}: unshard(async_op=True) x2, wait()", unshard_async_then_wait)
+            readable("right after the first handle's wait()")  # nothing but wait() ran since the unshard
+
+            def repeat(target: nn.Module = target, handles: list = handles, recorded: list = recorded) -> None:
+                with record_collectives() as more:
                     for handle in handles + handles:
                         handle.wait()
                     handles.append(target.unshard())
-                recorded.extend((first, repeated))
+                recorded.append(more)
 
-            raises_nothing(ctx, f"{where}: unshard(async_op=True) x2, wait() x4, unshard()", unshard_repeatedly)
+            raises_nothing(ctx, f"{where}: wait() x4 more, unshard()", repeat)
             ctx.true(
                 f"{where}: unshard(async_op=True) returns a handle",
                 len(handles) == 3 and all(hasattr(h, "wait") for h in handles[:2]),
                 str([type(h).__name__ for h in handles[:2]]),
             )
             ctx.true(f"{where}: unshard() returns None", len(handles) == 3 and handles[2] is None)
-            if len(recorded) == 2:
+            if len(recorded) == 3:
                 gathered = len(recorded[0].of("all_gather"))
                 ctx.true(f"{where}: the first unshard all-gathers", gathered > 0, gathered, "> 0")
-                ctx.equal(f"{where}: all-gathers of the repeated unshards", len(recorded[1].of("all_gather")), 0)
-            want = {name: full_numel[name] if name in own else shard_numel[name] for name in full_numel}
-            _record_numels(ctx, f"{where} unsharded", model, want, full_numel)
+                again = len(recorded[1].of("all_gather")) + len(recorded[2].of("all_gather"))
+                ctx.equal(f"{where}: all-gathers of the repeated unshards and waits", again, 0)
+            readable("unsharded")
             params = named_params(model)
             unsharded = {name: params[name] for name in own}
-            for name in own:
-                param = params[name]
-                plain = not impl.is_sharded(param)
-                ctx.true(f"{where} unsharded: {name} a plain tensor", plain, type(param).__name__)
-                if tol is None:
-                    ctx.equal(f"{where} unsharded: {name} == reference weights", param, refs[name])
-                else:
-                    ctx.close(f"{where} unsharded: {name} vs reference weights", param, refs[name], tol)
             with record_collectives() as rec:
                 raises_nothing(ctx, f"{where}: reshard() x2", lambda t=target: (t.reshard(), t.reshard()))
             ctx.equal(f"{where}: collectives issued by reshard", len(rec.calls), 0)

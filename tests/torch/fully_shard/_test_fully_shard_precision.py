@@ -96,13 +96,16 @@ def list_input_precision(ctx: CaseContext) -> None:
 
 class _DtypeProbe:
     """What a model under a policy is given and sees: the dtypes its caller passes to the root and to
-    the first layer (hooks run before fully_shard's), the dtypes their forwards receive and the first
-    layer's compute params (hooks run after fully_shard's), and the root's output dtype."""
+    the first layer (hooks run before fully_shard's), the dtypes their forwards receive, the first
+    layer's compute params and the grads autograd computes for them (hooks run after fully_shard's),
+    and the root's output dtype."""
 
     def __init__(self, first: nn.Module, root: nn.Module) -> None:
         self.given: dict[str, set[torch.dtype]] = {"root": set(), "first layer": set()}
         self.seen: dict[str, set[torch.dtype]] = {"root": set(), "first layer": set()}
         self.params: set[torch.dtype] = set()
+        self.grads: set[torch.dtype] = set()  # of the grads autograd computes for the compute params
+        self._hooked: set[int] = set()
         self.outputs: set[torch.dtype] = set()
         for where, module in (("root", root), ("first layer", first)):
             # registered after fully_shard: prepended hooks run before its pre-hook, the others after
@@ -121,7 +124,14 @@ class _DtypeProbe:
         into.add(args[0].dtype)
 
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
-        self.params.update(p.dtype for p in module.parameters(recurse=False))
+        for param in module.parameters(recurse=False):
+            self.params.add(param.dtype)
+            if param.requires_grad and id(param) not in self._hooked:  # the unsharded compute param
+                self._hooked.add(id(param))
+                param.register_hook(self._grad)
+
+    def _grad(self, grad: torch.Tensor) -> None:
+        self.grads.add(grad.dtype)
 
     def _post_forward(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         self.outputs.add(output.dtype)
@@ -164,17 +174,21 @@ def _train_under_policy(
     tol: Tolerance,
     batches: list[torch.Tensor],
     self_casting: bool = False,
+    single_device: bool = False,
 ) -> _PolicyRun:
-    """Train a nested MLP under ``policy`` against ``SameDtypeReference`` (same compute dtype, explicit
-    reduction in the reduce dtype) and record what the policy promises: compute params, inputs and
-    outputs, all-gathers in the compute dtype, reductions in the reduce dtype, DTensor grads of the
-    sharded params' dtype (fp32), fp32 master params."""
+    """Train a nested MLP under ``policy`` and record what the policy promises: compute params,
+    inputs and outputs, compute grads, all-gathers in the compute dtype, reductions in the reduce
+    dtype, DTensor grads of the sharded params' dtype (fp32), fp32 master params. The baseline:
+    ``SameDtypeReference`` (same compute dtype per rank, explicit reduction in the reduce dtype), or
+    with ``single_device`` the plan's single card in the compute dtype on the global batch."""
     compute = policy.param_dtype or torch.float32
     reduce = policy.reduce_dtype or compute
     output = policy.output_dtype or compute
     given = batches[0].dtype
     model = MLP(DIMS, self_casting=self_casting)
-    reference = SameDtypeReference(model, compute, reduce, policy.output_dtype, policy.cast_forward_inputs)
+    reference = SameDtypeReference(
+        model, compute, reduce, policy.output_dtype, policy.cast_forward_inputs, global_batch=single_device
+    )
     shard_nested(model, model.layers, mesh=ctx.mesh, mp_policy=policy)
     probe = _DtypeProbe(model.layers[0], model)
     recorders: list[CollectiveRecorder] = []
@@ -195,9 +209,11 @@ def _train_under_policy(
         label=label,
         recorders=recorders,
         after_backward=grads_fp32,
+        mean_loss_over_ranks=single_device,
     )
     received = compute if policy.cast_forward_inputs else given
     ctx.equal(f"{label} compute param dtype", _names(probe.params), _names({compute}))
+    ctx.equal(f"{label} compute grad dtype (autograd's, before the reduction)", _names(probe.grads), _names({compute}))
     ctx.equal(f"{label} input dtype seen by the first layer", _names(probe.inputs), _names({received}))
     ctx.equal(f"{label} output dtype", _names(probe.outputs), _names({output}))
     gathers = {c.dtype for rec in recorders for c in rec.of("all_gather")}
@@ -368,11 +384,23 @@ def comm_fusion_numerical_correctness(ctx: CaseContext) -> None:
     needs=("mixed_precision",),
 )
 def mp_bf16_param_fp32_reduce(ctx: CaseContext) -> None:
-    """bf16/fp32/fp32: compute params and all-gathers bf16, reductions fp32, fp32 DTensor grads,
-    fp32 output; loss, grad norm and grads within 1e-3 of the bf16 same-dtype reference."""
+    """bf16/fp32/fp32: compute params, compute grads and all-gathers bf16, reductions fp32, fp32
+    DTensor grads, fp32 output; loss, grad norm and grads within 1e-3 of the plan's single card in
+    bf16 on the global batch (and, extra, of the bf16 same-dtype data-parallel reference)."""
     policy = impl.MixedPrecisionPolicy(torch.bfloat16, torch.float32, torch.float32)
-    _train_under_policy(ctx, "bf16/fp32/fp32", policy, ctx.tol, rank_batches(ctx.rank, (4, DIMS[0])))
+    _against_single_card_and_same_dtype(ctx, "bf16/fp32/fp32", policy)
     _nested_inputs_cast(ctx, policy)
+
+
+def _against_single_card_and_same_dtype(ctx: CaseContext, label: str, policy: Any) -> None:
+    """The plan's row: training under ``policy`` against the single card in bf16 on the global batch
+    (1e-3); beyond it, the same training against the same-dtype data-parallel reference, which
+    repeats the engine's arithmetic (same compute dtype per rank, reductions in the reduce dtype)."""
+    batches = rank_batches(ctx.rank, (4, DIMS[0]))
+    ctx.require(f"{label}: ranks' batches differ (the global batch is not a rank's)", differs_across_ranks(batches[0]))
+    _train_under_policy(ctx, f"{label} vs single card", policy, ctx.tol, batches, single_device=True)
+    with ctx.extra("the same-dtype data-parallel reference repeats the engine's arithmetic: stricter than one card"):
+        _train_under_policy(ctx, f"{label} vs same-dtype DP", policy, ctx.tol, batches)
 
 
 def _nested_inputs_cast(ctx: CaseContext, policy: Any) -> None:
@@ -410,10 +438,11 @@ def _nested_inputs_cast(ctx: CaseContext, policy: Any) -> None:
     needs=("mixed_precision",),
 )
 def mp_bf16_all_bf16(ctx: CaseContext) -> None:
-    """bf16/bf16/bf16: compute, all-gathers, reductions and the output in bf16; param.grad keeps
-    the sharded param's dtype (fp32); loss, grad norm and grads within 1e-3 of the bf16 reference."""
+    """bf16/bf16/bf16: compute, compute grads, all-gathers, reductions and the output in bf16;
+    param.grad keeps the sharded param's dtype (fp32); loss, grad norm and grads within 1e-3 of the
+    plan's single card in bf16 on the global batch (and, extra, of the same-dtype reference)."""
     policy = impl.MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16, torch.bfloat16)
-    _train_under_policy(ctx, "bf16/bf16/bf16", policy, ctx.tol, rank_batches(ctx.rank, (4, DIMS[0])))
+    _against_single_card_and_same_dtype(ctx, "bf16/bf16/bf16", policy)
 
 
 @case(
@@ -520,6 +549,33 @@ def mp_apply_grad_on_fp32_main_grad(ctx: CaseContext) -> None:
             ctx.true(f"after zero_grad: {name}.main_grad zeros", zeros)
 
     ctx.run_part("zero_grad", ("zero_grad",), zero_grad_clears_main_grads)
+    _gap_to_the_fp32_single_card(ctx, policy)
+
+
+def _gap_to_the_fp32_single_card(ctx: CaseContext, policy: Any) -> None:
+    """The plan's own baseline for L1-13, drawn, not judged: one step's grads (the fp32 main grads)
+    against the fp32 single card on the global batch, beside what fp16 compute alone moves them
+    (the same-fp16 reference against that card) and the plan's 1e-5. fp16 compute cannot meet 1e-5
+    of fp32 (its unit roundoff is 4.9e-4), so the case judges against the same-fp16 reference;
+    docs/plan_fidelity.md gives the reading."""
+    model = MLP(DIMS)
+    single_card = GlobalBatchReference(model)
+    fp16_alone = SameDtypeReference(model, torch.float16, torch.float32)
+    shard_nested(model, model.layers, mesh=ctx.mesh, mp_policy=policy)
+    batch = rank_batches(ctx.rank, (4, DIMS[0]), steps=1, first=95)[0]
+    square_mean(model, batch).backward()
+    square_mean(single_card, batch).backward()
+    square_mean(fp16_alone, batch).backward()
+    fp16_alone.reduce_grads()
+    ours, card, alone = named_params(model), named_params(single_card), named_params(fp16_alone)
+    for name, param in ours.items():
+        exact = card[name].grad.double()
+        ctx.bar(
+            "L1-13: grads against the plan's fp32 single card (max abs error, log scale)",
+            name,
+            ours=(full(param.grad).double() - exact).abs().max(),
+            **{"fp16 compute alone": (alone[name].grad.double() - exact).abs().max(), "plan's tol": 1e-5},
+        )
 
 
 # -- L2: feature coupling ------------------------------------------------------------------------
@@ -539,9 +595,12 @@ def _accumulated_like_large_batch(ctx: CaseContext, label: str, tol: Tolerance, 
         options["mp_policy"] = impl.MixedPrecisionPolicy(dtype, torch.float32)
     shard_nested(model, model.layers, mesh=ctx.mesh, **options)
     step_batches = [rank_batches(ctx.rank, (4, DIMS[0]), ACCUMULATION, first=10 * step) for step in range(2)]
+    # the model's (sharded) grads as the API shows them before each micro-batch: None after zero_grad
+    before: dict[str, torch.Tensor | None] = dict.fromkeys(named_params(model))
 
     def held_back(step: int, micro: int, rec: CollectiveRecorder) -> None:
         if micro == ACCUMULATION - 1:
+            before.update(dict.fromkeys(before))  # the optimizer step and its zero_grad follow
             return
         where = f"{label} step {step} micro {micro} (sync off)"
         ctx.equal(f"{where}: reduce-scatters", len(rec.of("reduce_scatter")), 0)
@@ -549,6 +608,15 @@ def _accumulated_like_large_batch(ctx: CaseContext, label: str, tol: Tolerance, 
         if dtype is None:  # DDP's grads under no_sync are its ranks' own accumulations
             local = torch.cat([p.grad.flatten() for p in reference.module.parameters()])
             ctx.require(f"{where}: the ranks' accumulated local grads differ", differs_across_ranks(local))
+        for name, param in named_params(model).items():
+            now = None if param.grad is None else full(param.grad).detach().clone()
+            was = before[name]
+            same = (now is None and was is None) or (now is not None and was is not None and torch.equal(now, was))
+            shown = "None" if now is None else f"tensor{tuple(now.shape)}"
+            ctx.true(
+                f"{where}: {name}.grad untouched while held back", same, shown, "None" if was is None else "as before"
+            )
+            before[name] = now
 
     train_accumulating_against(
         ctx,
@@ -575,7 +643,8 @@ def gradient_accumulation(ctx: CaseContext) -> None:
     """N micro-steps with gradient sync off for all but the last accumulate to the large-batch DDP
     grad (1e-5), with params resharded after forward or kept, fused or unfused collectives, and
     under bf16 compute with an fp32 reduce (1e-3 against the same-dtype reference); while held back
-    the ranks' grads differ and nothing is reduce-scattered."""
+    the ranks' grads differ, nothing is reduce-scattered and the model's grads, as the API shows
+    them, stay as they were (None after the optimizer's zero_grad)."""
     _accumulated_like_large_batch(ctx, "fused", ctx.tol)
     ctx.run_part(
         "params kept after forward",

@@ -1,7 +1,7 @@
 """Plan cases of ``_test_fully_shard_with_ac.py``: fully_shard with activation checkpointing
 (L2-03..06), through torch's own utilities: ``torch.utils.checkpoint`` re-entrant and not, torch's
-selective checkpoint contexts for op-level recomputation, and saved-tensor hooks that swap
-activations to host memory and back.
+selective checkpoint contexts for op-level recomputation, and ``torch.autograd.graph.save_on_cpu``
+holding what autograd saves (checkpoints' inputs too) on the host until backward.
 
 Every case trains a stack of residual feed-forward blocks, each block its own fully_shard group,
 against the single-device fp32 model without checkpointing on the global batch. Checkpointing
@@ -11,11 +11,11 @@ changes when forwards run, not what they compute: loss, grads and params must ag
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from tests.kit.case import CaseContext, case
@@ -150,9 +150,9 @@ def reentrant_ac_fsdp(ctx: CaseContext) -> None:
     needs=("activation_checkpointing",),
 )
 def nonreentrant_ac_fsdp(ctx: CaseContext) -> None:
-    """Non-re-entrant checkpointing of every block, fused and unfused: as L2-03; and the peak bytes
-    held for backward (CUDA: allocator peak) of a forward + backward are below the same sharded
-    model's without AC, both shown."""
+    """Non-re-entrant checkpointing of every block, fused and unfused: as L2-03; and the peak memory
+    of a forward + backward (live storages on the CPU, params and grads included; the allocator's
+    peak on an accelerator) is below the same sharded model's without AC, both drawn."""
     every = dict.fromkeys(range(DEPTH), "non_reentrant")
     _train_checkpointed(ctx, "fused", every, ctx.tol)
     ctx.run_part(
@@ -163,17 +163,27 @@ def nonreentrant_ac_fsdp(ctx: CaseContext) -> None:
     for label, kinds in (("without AC", {}), ("with AC", every)):
         model = _stack(kinds)
         shard_nested(model, model.blocks, mesh=ctx.mesh)
-        with peak_memory(device_type()) as peak:
+        with peak_memory(device_type(), holding=[model]) as peak:
             square_mean(model, batch).backward()
         peaks[label] = peak
-    without, with_ac = peaks["without AC"].bytes, peaks["with AC"].bytes
-    ctx.require("the model without AC holds activations for backward", without > 0, str(without))
-    ctx.true(
-        f"peak bytes held for backward with AC < without AC ({peaks['with AC'].what})",
-        with_ac < without,
-        with_ac,
-        without,
+        ctx.bar("peak memory of a forward + backward (bytes, rank 0)", label, peak=peak.bytes, saved=peak.saved_bytes)
+    without, with_ac = peaks["without AC"], peaks["with AC"]
+    ctx.require(
+        "the model without AC holds activations for backward", without.saved_bytes > 0, str(without.saved_bytes)
     )
+    ctx.true(
+        f"peak memory with AC < without AC ({with_ac.what})",
+        with_ac.bytes < without.bytes,
+        with_ac.bytes,
+        without.bytes,
+    )
+    with ctx.extra("what the peak is made of: AC lowers the bytes autograd keeps for backward"):
+        ctx.true(
+            "bytes saved for backward with AC < without AC",
+            with_ac.saved_bytes < without.saved_bytes,
+            with_ac.saved_bytes,
+            without.saved_bytes,
+        )
 
 
 @case(
@@ -193,59 +203,70 @@ def selective_ac_fsdp(ctx: CaseContext) -> None:
     _train_checkpointed(ctx, "selective", kinds, ctx.tol)
 
 
-class HostSwap:
-    """Saved-tensor hooks that swap what autograd saves to host memory and back to the compute
-    device when backward needs it. On CUDA the host copy is pinned; on a CPU-only host it is a
-    real copy into a separate buffer, and the restored tensor another copy, so no saved tensor is
-    the original. Counts the bytes moved both ways and remembers the originals weakly, to show
-    they were freed (autograd no longer holds them)."""
+class WatchedOffload(torch.autograd.graph.save_on_cpu):
+    """torch's ``save_on_cpu``, watched: what each tensor autograd saves was packed from and into
+    (the devices of the tensors in what torch's pack hook returns), inside which block, and what
+    its unpack hook handed back in backward. The packing itself is torch's."""
 
-    def __init__(self) -> None:
-        self.bytes_out = 0
-        self.bytes_back = 0
-        self.restored_on: set[str] = set()
-        self.originals: list[weakref.ref] = []
-        self.freed_before_backward = 0
+    def __init__(self, compute: str) -> None:
+        accelerator = compute != "cpu"
+        if accelerator:
+            super().__init__(pin_memory=True, device_type=compute)
+        else:  # pinning needs an accelerator; on the host itself the copy is the tensor itself
+            super().__init__(pin_memory=False)
+        self.block: str | None = None  # the checkpointed block whose forward is running
+        self.packed: list[tuple[str | None, str, set[str], bool]] = []  # (block, from, into, pinned)
+        self.restored: list[tuple[str, int]] = []  # (device, data_ptr) of what unpack handed back
+        pack, unpack = self.pack_hook, self.unpack_hook
 
-    def pack(self, tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
-        host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-        host.copy_(tensor)
-        self.bytes_out += tensor.numel() * tensor.element_size()
-        self.originals.append(weakref.ref(tensor))
-        return tensor.device, host
+        def watched_pack(tensor: torch.Tensor) -> Any:
+            packed = pack(tensor)
+            held = [t for t in tree_leaves(packed) if isinstance(t, torch.Tensor)]
+            pinned = all(t.is_pinned() for t in held) if accelerator else False
+            self.packed.append((self.block, tensor.device.type, {t.device.type for t in held}, pinned))
+            return packed
 
-    def unpack(self, packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
-        device, host = packed
-        back = torch.empty(host.size(), dtype=host.dtype, device=device)
-        back.copy_(host)
-        self.bytes_back += back.numel() * back.element_size()
-        self.restored_on.add(back.device.type)
-        return back
+        def watched_unpack(packed: Any) -> torch.Tensor:
+            tensor = unpack(packed)
+            self.restored.append((tensor.device.type, tensor.data_ptr()))
+            return tensor
 
-    def freed(self) -> int:
-        """Originals no longer alive."""
-        return sum(ref() is None for ref in self.originals)
+        self.pack_hook, self.unpack_hook = watched_pack, watched_unpack
 
+    def watch(self, blocks: dict[str, nn.Module]) -> list[Any]:
+        """Mark the packs made while each named block's forward runs; returns the hook handles."""
+        handles = []
+        for name, block in blocks.items():
 
-class Swapped(nn.Module):
-    """Runs ``inner`` with what autograd saves in it swapped out by ``swap`` (None: as it is). Swap
-    and checkpointing take turns by block: torch's checkpoint does not recompute under outer
-    saved-tensor hooks, so the swapped blocks are the ones not checkpointed."""
+            def enter(module: nn.Module, args: tuple, name: str = name) -> None:
+                self.block = name
 
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-        self.swap: HostSwap | None = None
+            def leave(module: nn.Module, args: tuple, output: Any) -> None:
+                self.block = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.swap is None:
-            return self.inner(x)
-        with torch.autograd.graph.saved_tensors_hooks(self.swap.pack, self.swap.unpack):
-            return self.inner(x)
+            handles += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
+        return handles
 
 
-def _swapping(model: nn.Module) -> list[Swapped]:
-    return [m for m in model.modules() if isinstance(m, Swapped)]
+class RecomputeInputs:
+    """The devices and storages of the inputs the checkpointed blocks' recomputation runs on."""
+
+    def __init__(self, blocks: dict[str, nn.Module]) -> None:
+        self.recording = False
+        self.devices: set[str] = set()
+        self.pointers: dict[str, int] = {}
+        for name, block in blocks.items():
+            block.register_forward_pre_hook(functools.partial(self._seen, name))
+
+    def _seen(self, name: str, module: nn.Module, args: tuple) -> None:
+        if self.recording:
+            self.devices.update(a.device.type for a in args if isinstance(a, torch.Tensor))
+            self.pointers[name] = args[0].data_ptr()
+
+
+# checkpointed blocks, re-entrant and not; both save the checkpoint's inputs through the hooks
+# that are active in forward, here torch's save_on_cpu
+CHECKPOINTED_AND_OFFLOADED = {1: "reentrant", 3: "non_reentrant", 5: "reentrant"}
 
 
 @case(
@@ -257,31 +278,34 @@ def _swapping(model: nn.Module) -> list[Swapped]:
     needs=("activation_checkpointing",),
 )
 def ac_activation_swap_fsdp(ctx: CaseContext) -> None:
-    """Blocks 1, 3, 5 checkpointed (non-re-entrant), blocks 0, 2, 4 with every tensor autograd saves
-    swapped to host memory and back: loss, grad norm and grads within 1e-5 of the single-device
-    model; the restored tensors are on the compute device; the recomputation runs on the compute
-    device; the bytes moved out and back are shown, and the swapped-out originals were freed
-    before backward (autograd held only the host copies)."""
-    model = _stack({1: "non_reentrant", 3: "non_reentrant", 5: "non_reentrant"})
-    for i in (0, 2, 4):
-        model.blocks[i] = Swapped(model.blocks[i])
-    reference = GlobalBatchReference(without_checkpointing(model))  # its Swapped blocks never swap
+    """Activation checkpointing and activation offload together, through torch's own mechanisms:
+    blocks 1, 3, 5 checkpointed (re-entrant, not, re-entrant), the whole forward under ``save_on_cpu``, so what
+    autograd keeps (the other blocks' activations, and the checkpoints' saved inputs) lives on the
+    host and comes back for backward, and the recomputation runs on what came back. Loss, grad norm
+    and grads within 1e-5 of the single-device model without either. On an accelerator: the saved
+    tensors were on the (pinned) host, came back on the compute device, and the recomputation ran
+    there (no device mismatch); on a CPU-only host that device part is noted as not run."""
+    model = _stack(CHECKPOINTED_AND_OFFLOADED)
+    reference = GlobalBatchReference(without_checkpointing(model))
+    checkpointed = {f"blocks.{i}": model.blocks[i] for i in CHECKPOINTED_AND_OFFLOADED}
     forwards = _block_forwards(model)
+    recompute = RecomputeInputs({name: block.inner for name, block in checkpointed.items()})
     shard_nested(model, model.blocks, mesh=ctx.mesh)
     compute = device_type()
-    swaps: list[HostSwap] = []
+    offloads: list[WatchedOffload] = []
 
-    def swapped_step(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        swap = HostSwap()
-        for block in _swapping(module):
-            block.swap = swap
-        loss = square_mean(module, batch)
-        swap.freed_before_backward = swap.freed()
+    def offloaded_step(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        offload = WatchedOffload(compute)
+        handles = offload.watch(checkpointed)
+        with offload:
+            loss = square_mean(module, batch)
+        for handle in handles:
+            handle.remove()
         forwards.reset()  # what runs from here on is the recomputation
+        recompute.recording = True
         loss.backward()
-        for block in _swapping(module):
-            block.swap = None
-        swaps.append(swap)
+        recompute.recording = False
+        offloads.append(offload)
         return loss
 
     batches = rank_batches(ctx.rank, BATCH)
@@ -293,21 +317,38 @@ def ac_activation_swap_fsdp(ctx: CaseContext) -> None:
         square_mean,
         ctx.tol,
         make_optimizer=_sgd,
-        model_step=swapped_step,
+        model_step=offloaded_step,
         mean_loss_over_ranks=True,
     )
-    for step, swap in enumerate(swaps):
-        where = f"step {step}"
-        ctx.true(f"{where}: bytes swapped to host", swap.bytes_out > 0, swap.bytes_out, "> 0")
-        ctx.equal(f"{where}: bytes restored == bytes swapped out", swap.bytes_back, swap.bytes_out)
-        ctx.equal(f"{where}: devices of restored tensors", str(sorted(swap.restored_on)), str([compute]))
-        ctx.true(
-            f"{where}: originals freed before backward (of {len(swap.originals)} swapped)",
-            swap.freed_before_backward > 0,
-            swap.freed_before_backward,
-            "> 0",
-        )
     recomputed = {name for name, runs in forwards.counts.items() if runs}
-    ctx.equal("blocks recomputed in the last backward", str(sorted(recomputed)), "['blocks.1', 'blocks.3', 'blocks.5']")
-    ctx.equal("devices the recomputation ran on (last step)", str(sorted(forwards.devices)), str([compute]))
-    ctx.keep(host_swaps=swaps)
+    ctx.equal("blocks recomputed in the last backward", str(sorted(recomputed)), str(sorted(checkpointed)))
+    for step, offload in enumerate(offloads):
+        where = f"step {step}"
+        in_checkpoints = {block for block, *_ in offload.packed if block is not None}
+        ctx.equal(
+            f"{where}: checkpointed blocks whose saved inputs went through save_on_cpu",
+            str(sorted(in_checkpoints)),
+            str(sorted(checkpointed)),
+        )
+        ctx.equal(f"{where}: saved tensors handed back in backward", len(offload.restored), len(offload.packed))
+    restored = {pointer for _, pointer in offloads[-1].restored}
+    consumed = sorted(name for name, pointer in recompute.pointers.items() if pointer in restored)
+    ctx.equal(
+        "checkpointed blocks recomputed from what save_on_cpu handed back (last step)",
+        str(consumed),
+        str(sorted(checkpointed)),
+    )
+    if compute == "cpu":
+        ctx.notes.append(
+            "device part: not run (no accelerator: the compute device is the host, so offloaded tensors never "
+            "leave it and a device mismatch cannot occur)"
+        )
+        return
+    for step, offload in enumerate(offloads):
+        where = f"step {step}"
+        held = sorted({d for *_, into, _ in offload.packed for d in into})
+        ctx.equal(f"{where}: devices the saved tensors were held on", str(held), "['cpu']")
+        ctx.true(f"{where}: host copies pinned", all(pinned for *_, pinned in offload.packed))
+        back = sorted({device for device, _ in offload.restored})
+        ctx.equal(f"{where}: devices the saved tensors came back on", str(back), str([compute]))
+    ctx.equal("devices the recomputation ran on (last step)", str(sorted(recompute.devices)), str([compute]))

@@ -27,6 +27,7 @@ from tests.kit.networks import (
     CE_CHUNK,
     LLM_SEQ,
     MOE_SEQ,
+    ChunkedLoss,
     chunked_ce_decoder,
     cross_entropy_loss,
     expert_name_map,
@@ -148,13 +149,14 @@ CE_BATCH, CE_SEQ = 2, 272  # 544 tokens per rank: a chunk of CE_CHUNK and a shor
 
 def _chunk_total(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The total of the model's chunked loss."""
-    return model(*batch)[0]
+    return model(*batch).total
 
 
 def _chunked_ce_trains_like_ddp(mesh: Any, tol: Tolerance) -> Run:
     """The L3-05 body: the 2-layer decoder with the vocab-32768 output, its loss computed in chunks
     of 512 tokens inside forward (each chunk recomputed in backward, so no chunk's logits stay
-    alive), against DDP computing the same chunked loss."""
+    alive), against DDP computing the same chunked loss. The model's forward also computes the
+    cross entropy of its whole logits at once, apart (no grad): the total the chunks must add up to."""
 
     def run(ctx: CaseContext, compare: bool) -> Trajectory:
         model = chunked_ce_decoder()
@@ -168,13 +170,14 @@ def _chunked_ce_trains_like_ddp(mesh: Any, tol: Tolerance) -> Run:
             return trajectory
         tokens = CE_BATCH * CE_SEQ
         ctx.require("more than one chunk per rank, the last one shorter", CE_CHUNK < tokens < 2 * CE_CHUNK, str(tokens))
-        chunks: dict[str, list[tuple[torch.Tensor, list[torch.Tensor]]]] = {"ours": [], "reference": []}
+        losses: dict[str, list[ChunkedLoss]] = {"ours": [], "reference": []}
 
         def chunked_loss(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-            total, per_chunk = module(*batch)
-            side = "ours" if module is model else "reference"
-            chunks[side].append((total.detach().clone(), [c.detach().clone() for c in per_chunk]))
-            return total
+            ours = module is model
+            loss = module(*batch, whole_loss=ours)
+            kept = ChunkedLoss(loss.total.detach().clone(), [c.detach().clone() for c in loss.chunks], loss.whole)
+            losses["ours" if ours else "reference"].append(kept)
+            return loss.total
 
         def output_weight(step: int) -> None:
             ours, ref = named_params(model)["embed.weight"], named_params(ddp)["embed.weight"]
@@ -194,11 +197,19 @@ def _chunked_ce_trains_like_ddp(mesh: Any, tol: Tolerance) -> Run:
             after_backward=output_weight,
             trajectory=trajectory,
         )
-        for step, ((total, ours), (_, reference)) in enumerate(zip(chunks["ours"], chunks["reference"], strict=True)):
-            ctx.equal(f"step {step} chunk count", len(ours), len(reference))
-            for i, (mine, theirs) in enumerate(zip(ours, reference, strict=True)):
+        for step, (ours, reference) in enumerate(zip(losses["ours"], losses["reference"], strict=True)):
+            ctx.equal(f"step {step} chunk count", len(ours.chunks), len(reference.chunks))
+            for i, (mine, theirs) in enumerate(zip(ours.chunks, reference.chunks, strict=True)):
                 ctx.close(f"step {step} chunk {i} loss", mine, theirs, tol.loss)
-            ctx.close(f"step {step} sum of chunk losses == total loss", sum(ours), total, specific("chunk sum"))
+            where = f"step {step} sum of chunk losses == total loss (the CE of the whole logits at once)"
+            ctx.close(where, sum(ours.chunks), ours.whole, specific("chunk sum"))
+            for i, (mine, theirs) in enumerate(zip(ours.chunks, reference.chunks, strict=True)):
+                ctx.bar(
+                    "per-chunk loss (rank 0; chunk 1 is the short last chunk)",
+                    f"step {step} chunk {i}",
+                    ours=mine,
+                    DDP=theirs,
+                )
         return trajectory
 
     return run
@@ -280,6 +291,15 @@ def _moe_trains_like_single_device(ctx: CaseContext) -> Run:
             return trajectory
         run_ctx.require("ranks' tokens differ", differs_across_ranks(batches[0][0]))
         experts = expert_params(model, names)
+        held_experts = {name: p for params in experts.values() for name, p in params.items()}
+        dense = {full: p for ours, p in model.named_parameters() if ".experts." not in (full := names[ours])}
+
+        def global_norms() -> tuple[torch.Tensor, torch.Tensor]:
+            """The model's global grad norm, every expert of every ep rank counted once (the ep group
+            holds each expert once) and the dense params once, and the single-device model's."""
+            experts_squared = grad_norm(held_experts).square()
+            dist.all_reduce(experts_squared, group=ep_group)
+            return (grad_norm(dense).square() + experts_squared).sqrt(), grad_norm(reference)
 
         def per_expert(step: int) -> None:
             where = f"step {step}"
@@ -298,7 +318,7 @@ def _moe_trains_like_single_device(ctx: CaseContext) -> Run:
                 ref_params = {name: every[name] for name in params}
                 norms = grad_norm(params), grad_norm(ref_params)
                 run_ctx.close(f"{where} grad norm {expert}", *norms, specific("per expert"))
-            dense = {full: p for ours, p in model.named_parameters() if ".experts." not in (full := names[ours])}
+                run_ctx.bar("per-expert grad norm", f"step {step} {expert}", ours=norms[0], reference=norms[1])
             ref_dense = {name: every[name] for name in dense}
             norms = grad_norm(dense), grad_norm(ref_dense)
             run_ctx.close(f"{where} dense grad norm", *norms, specific("dense grad norm under EP"))
@@ -316,6 +336,7 @@ def _moe_trains_like_single_device(ctx: CaseContext) -> Run:
             names=names,
             after_backward=per_expert,
             trajectory=trajectory,
+            global_norms=global_norms,
         )
         return trajectory
 
@@ -333,9 +354,9 @@ def _moe_trains_like_single_device(ctx: CaseContext) -> Run:
 def moe_llm_ep_fsdp(ctx: CaseContext) -> None:
     """The 4-layer MoE decoder (2 dense FFN + 2 MoE layers: 4 experts, top-2, expert dim 512; hidden
     256, seq 64) on the 3-D (replicate 1, fsdp 2, ep 2) mesh against the single-device model:
-    total loss and per-expert grad norms within 1e-4, the dense layers' grad norm within 1e-5,
-    every grad element-wise (1e-4), at step 0 and 1; all-to-alls and all-gathers in one step with no
-    collective error; bitwise rerun."""
+    total loss, the model's global grad norm (every expert of every rank) and per-expert grad norms
+    within 1e-4, the dense layers' grad norm within 1e-5, every grad element-wise (1e-4), at step 0
+    and 1; all-to-alls and all-gathers in one step with no collective error; bitwise rerun."""
     rerun_bitwise(ctx, _moe_trains_like_single_device(ctx))
 
 

@@ -1,0 +1,221 @@
+"""The model grammar of L4: the ``nn.Module`` a configuration describes, built from its seed.
+
+``Net`` takes the configuration's input (a tensor, integer tokens, a dict, or keywords), runs its
+body (nested ``Sequential`` / ``ModuleList`` blocks / residual and tied blocks of ``Linear``,
+``LayerNorm``, RMSNorm and ``Conv1d`` leaves, some frozen, some with buffers, some under activation
+checkpointing) and returns the configuration's output (a tensor, a tuple, a dict or a dataclass).
+Every leaf computes in its own weight's dtype (casting what it is given), so a mixed-precision
+policy, an ignored fp32 param inside a bf16 group and ``cast_forward_inputs=False`` all run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tests.kit.explore.space import Config, Layer, Node
+
+INIT = 0.5  # weights ~ U(-INIT / sqrt(fan_in), ...): small grads, so low-precision rounding stays small
+
+
+@dataclass
+class Out:
+    """The dataclass output kind."""
+
+    y: torch.Tensor
+    aux: torch.Tensor
+
+
+class Leaf(nn.Module):
+    """One leaf of the grammar, computing in its weight's dtype."""
+
+    def __init__(self, layer: Layer, width: int) -> None:
+        super().__init__()
+        self.kind = layer.kind
+        scale = INIT / width**0.5
+        if layer.kind == "linear":
+            self.weight = nn.Parameter(torch.empty(layer.out, width).uniform_(-scale, scale))
+        elif layer.kind == "conv1d":
+            self.weight = nn.Parameter(torch.empty(layer.channels, 1, layer.kernel).uniform_(-INIT, INIT))
+        else:  # the norms: a scale per feature
+            self.weight = nn.Parameter(1 + torch.empty(width).uniform_(-0.1, 0.1))
+        self.bias = nn.Parameter(torch.empty(self.weight.shape[0]).uniform_(-0.1, 0.1)) if layer.bias else None
+        if layer.buffer:
+            self.register_buffer("scale", torch.tensor(0.9))
+        else:
+            self.scale = None
+        if layer.frozen:
+            self.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        x = x.to(w.dtype)
+        b = self.bias.to(w.dtype) if self.bias is not None else None
+        if self.kind == "linear":
+            out = F.linear(x, w, b)
+        elif self.kind == "layernorm":
+            out = F.layer_norm(x, (x.shape[-1],), w, b)
+        elif self.kind == "rmsnorm":
+            out = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-5) * w
+        else:  # conv1d over the feature axis, one input channel, averaged back over its channels
+            out = F.conv1d(x.unsqueeze(1), w, b, padding=w.shape[-1] // 2).mean(1)
+        return out * self.scale.to(out.dtype) if self.scale is not None else out
+
+
+class ListBlock(nn.Module):
+    """Children in an ``nn.ModuleList``, looped over with a tanh between them."""
+
+    def __init__(self, items: list[nn.Module]) -> None:
+        super().__init__()
+        self.items = nn.ModuleList(items)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, item in enumerate(self.items):
+            x = item(x) if i == 0 else item(torch.tanh(x))
+        return x
+
+
+class Residual(nn.Module):
+    """``x + inner(x)``."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(x)
+        return x.to(out.dtype) + out
+
+
+class Tied(nn.Module):
+    """Two square Linears sharing one weight (their biases their own)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a = Leaf(Layer("linear", width), width)
+        self.b = Leaf(Layer("linear", width), width)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class Checkpointed(nn.Module):
+    """A block whose forward runs under torch's activation checkpoint."""
+
+    def __init__(self, inner: nn.Module, how: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.reentrant = how == "reentrant"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # re-entry needs an input that requires grad (else torch drops the block's grads): a block
+        # fed the data itself is checkpointed without it
+        return checkpoint(self.inner, x, use_reentrant=self.reentrant and x.requires_grad)
+
+
+def _build(node: Node, width: int) -> tuple[nn.Module, int]:
+    """The module of ``node`` taking ``width`` features, and the width it returns."""
+    if node.kind == "leaf":
+        layer = node.layer
+        return Leaf(layer, width), layer.out if layer.kind == "linear" else width
+    if node.kind == "tied":
+        module, out = Tied(width), width
+    elif node.kind == "res":
+        inner, out = _build(node.children[0], width)
+        if out != width:  # the residual needs its width back
+            inner = nn.Sequential(inner, Leaf(Layer("linear", width), out))
+        module, out = Residual(inner), width
+    else:
+        built = []
+        for child in node.children:
+            module, width = _build(child, width)
+            built.append(module)
+        module, out = (nn.Sequential(*built) if node.kind == "seq" else ListBlock(built)), width
+    return (Checkpointed(module, node.checkpoint) if node.checkpoint else module), out
+
+
+class Net(nn.Module):
+    """The configuration's model: input adapter, body, output adapter."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        torch.manual_seed(config.seed)
+        self.input_kind, self.output_kind = config.input, config.output
+        width = config.dim
+        if config.input == "tokens":
+            self.embed = nn.Embedding(config.dim, 8)
+            width = 8
+        self.body, self.width = _build(config.body, width)
+        self.gain = nn.Parameter(torch.ones(1))  # the root's own param: a grad path whatever is frozen
+
+    def forward(self, x: Any, *, scale: torch.Tensor | None = None) -> Any:
+        if self.input_kind == "tokens":
+            x = self.embed(x)
+        elif self.input_kind == "dict":
+            x = x["x"]
+        elif self.input_kind == "keyword":
+            x = x * scale.to(x.dtype)
+        y = self.body(x)
+        y = y * self.gain.to(y.dtype)
+        aux = y.float().mean()
+        if self.output_kind == "tuple":
+            return y, aux
+        if self.output_kind == "dict":
+            return {"y": y, "aux": aux}
+        if self.output_kind == "dataclass":
+            return Out(y, aux)
+        return y
+
+
+def build(config: Config) -> Net:
+    """The model of ``config`` (the same weights on every rank and every call)."""
+    return Net(config)
+
+
+def first_tensor(output: Any) -> torch.Tensor:
+    """The model's main output, whatever structure carries it."""
+    if isinstance(output, tuple):
+        return output[0]
+    if isinstance(output, dict):
+        return output["y"]
+    if isinstance(output, Out):
+        return output.y
+    return output
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss every configuration trains: the mean square of the main output, in fp32."""
+    return first_tensor(output).float().square().mean()
+
+
+def batch(config: Config, step: int, micro: int, rank: int) -> tuple[tuple, dict]:
+    """The (args, kwargs) of one micro-batch of one rank: reproducible anywhere, different per rank."""
+    generator = torch.Generator().manual_seed(config.seed * 7919 + 101 * step + 13 * micro + rank)
+    if config.input == "tokens":
+        return (torch.randint(0, config.dim, (4,), generator=generator),), {}
+    x = torch.randn(4, config.dim, generator=generator)
+    if config.input == "dict":
+        return ({"x": x},), {}
+    if config.input == "keyword":
+        return (x,), {"scale": torch.tensor(1.5)}
+    return (x,), {}
+
+
+def names(model: nn.Module) -> tuple[dict[str, int], dict[str, tuple[int, ...]]]:
+    """The modules ``fully_shard`` may take (path -> depth; modules with params whose forward runs,
+    so not a bare ModuleList, and not the halves of a tied pair: their weight must stay in one
+    group) and the params (path -> shape; a tied weight under its first name)."""
+    modules = {}
+    for path, module in model.named_modules():
+        parent = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
+        called = not isinstance(module, (nn.ModuleList, nn.ModuleDict))  # a container without a forward
+        if path and called and not isinstance(parent, Tied) and any(True for _ in module.parameters()):
+            modules[path] = path.count(".") + 1
+    params = {path: tuple(p.shape) for path, p in model.named_parameters()}
+    return modules, params

@@ -1,0 +1,559 @@
+"""On every rank: one configuration run against what the API promises for it.
+
+``run_example(config_json)`` builds the configuration's model twice from its seed: one copy is
+sharded through ``impl`` as the configuration says and trained on this rank's micro-batches, the
+other is the reference, ``PromisedReference``: an unsharded copy per rank that computes in the
+policy's compute dtype with the casts the API makes at every sharded module's boundary, keeps its
+local grads in the reduce dtype, and reduces them itself, per param, over the process groups and
+with the reduce op the API promises for that param at that moment (the global-batch mean, or the
+sum; per replica group with the all-reduce off; nothing for ignored params, no grad for frozen
+ones; accumulated across held-back micro-batches). It is the same explicit data-parallel baseline
+as the L1-L3 cases' ``SameDtypeReference``, generalised to per-param groups and ops.
+
+Beside the numbers (loss per micro-batch, grads, the global grad norm and params after each step,
+within the registry's row for the configuration's precision), the invariants every configuration
+keeps: local shard shapes follow the ``torch.chunk`` rule and placements are as placed; after
+forward and backward the unsharded storage is freed or kept as the reshard settings say; the
+reductions carry exactly the trainable managed params (none of the frozen or ignored ones); the
+collectives run in the policy's dtypes; the output keeps its structure and dtype; a state dict
+taken at any point holds the sharded params, and loading it back changes nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from tests.kit.checks import CaseContext, PreconditionFailed
+from tests.kit.explore.grammar import Out, batch, build, first_tensor, loss_of
+from tests.kit.explore.space import PRECISIONS, Config, Group
+from tests.kit.layout import local_numel, shard_shape
+from tests.kit.recorder import CollectiveRecorder, record_collectives
+from tests.kit.reference import full
+from tests.kit.surface import impl
+from tests.kit.tolerances import Tolerance, tolerance
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def precision_row(config: Config) -> str:
+    """The precision-matrix row judging a configuration."""
+    param = PRECISIONS[config.precision.name][0]
+    if param == "bf16":
+        return "FSDP 1D bf16"
+    if param == "fp16":
+        return "FSDP 1D fp16"
+    return "HSDP 2D fp32" if config.hsdp else "FSDP 1D fp32"
+
+
+@dataclasses.dataclass
+class ParamPlan:
+    """What the API promises for one param of the model."""
+
+    path: str
+    group: int  # index of the fully_shard call that manages it (or names it ignored)
+    kind: str  # "sharded", "replicated" (whole on every rank), "ignored"
+    dim: int  # the sharded dim (sharded params)
+    mesh: str  # the group's mesh: "mesh", "shard", "flat"
+    trainable: bool
+
+
+def param_plans(config: Config, model: nn.Module) -> dict[str, ParamPlan]:
+    """Each param's group, placement and reduction, from the configuration (bottom-up calls: a
+    param belongs to the first call whose modules hold it)."""
+    plans: dict[str, ParamPlan] = {}
+    for index, group in enumerate(config.groups):
+        for path, param in model.named_parameters():
+            if path in plans or not any(p == "" or path.startswith(p + ".") for p in group.paths):
+                continue
+            placement = group.placements.get(path, "Shard(0)")
+            if path in group.ignored:
+                kind = "ignored"
+            elif path in group.replicated or placement == "Replicate()":
+                kind = "replicated"
+            else:
+                kind = "sharded"
+            dim = int(placement[6:-1]) if placement.startswith("Shard(") else 0
+            plans[path] = ParamPlan(path, index, kind, dim, group.mesh, param.requires_grad)
+    return plans
+
+
+class Meshes:
+    """The configuration's mesh and the sub-meshes its groups use, and their process groups."""
+
+    def __init__(self, ctx: CaseContext, config: Config) -> None:
+        self.config = config
+        self.rank = ctx.rank
+        if config.hsdp:
+            r, s = config.mesh
+            self.main = ctx.mesh_of(replicate=r, shard=s)
+        else:
+            self.main = ctx.mesh_of(dp=config.world)
+        self._ctx = ctx
+
+    def of(self, kind: str) -> Any:
+        if kind == "shard":
+            return impl.submesh(self.main, "shard")
+        if kind == "flat":
+            return self._ctx.mesh_of(flat=self.config.world)
+        return self.main
+
+    def shard_group(self, kind: str) -> Any:
+        """The process group a group on mesh ``kind`` shards over (and reduce-scatters over)."""
+        if kind == "flat":
+            return impl.process_group(self.of("flat"), "flat")
+        return impl.process_group(self.main, "shard" if self.config.hsdp else "dp")
+
+    def replicate_group(self, kind: str) -> Any:
+        """The group a 2-D mesh all-reduces over after the reduce-scatter (None on a 1-D mesh)."""
+        return impl.process_group(self.main, "replicate") if kind == "mesh" and self.config.hsdp else None
+
+    def shard_coordinate(self, kind: str) -> tuple[int, int]:
+        """(ranks sharded over, this rank's place among them)."""
+        if kind == "flat" or not self.config.hsdp:
+            return self.config.world, self.rank
+        return self.config.mesh[1], impl.local_rank(self.main, "shard")
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors anywhere in ``value`` (tuples, lists, dicts, dataclasses) cast to ``dtype``."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return type(value)(**{f.name: _cast(getattr(value, f.name), dtype) for f in dataclasses.fields(value)})
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
+
+
+class PromisedReference:
+    """What the API promises, computed without sharding (module docstring)."""
+
+    def __init__(self, config: Config, meshes: Meshes, plans: dict[str, ParamPlan]) -> None:
+        self.config = config
+        self.meshes = meshes
+        self.plans = plans
+        self.master = build(config)
+        self.compute = copy.deepcopy(self.master)
+        param, reduce = PRECISIONS[config.precision.name]
+        self.param_dtype = DTYPES[param]
+        self.reduce_dtype = DTYPES[reduce] if reduce else self.param_dtype
+        self.output_dtype = DTYPES[config.precision.output] if config.precision.output else None
+        self.ops = ["avg"] * len(config.groups)  # the reduce op of each call's groups
+        self.all_reduce = [True] * len(config.groups)
+        self._held: dict[str, torch.Tensor] = {}
+        for group in config.groups:
+            for path in group.paths:
+                module = self.compute.get_submodule(path) if path else self.compute
+                module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
+                module.register_forward_hook(self._cast_outputs)
+
+    def _cast_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not self.config.precision.cast_inputs or self.param_dtype == torch.float32:
+            return args, kwargs
+        return _cast(args, self.param_dtype), _cast(kwargs, self.param_dtype)
+
+    def _cast_outputs(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return _cast(output, self.output_dtype) if self.output_dtype is not None else output
+
+    def forward(self, args: tuple, kwargs: dict) -> Any:
+        """The forward of this rank's micro-batch on the compute copy (the masters' current values,
+        managed params in the compute dtype, ignored ones as they are)."""
+        computed = dict(self.compute.named_parameters())
+        with torch.no_grad():
+            for path, master in self.master.named_parameters():
+                target = computed[path]
+                dtype = master.dtype if self.plans[path].kind == "ignored" else self.param_dtype
+                target.data = master.detach().to(dtype).clone()
+        return self.compute(*args, **kwargs)
+
+    def after_backward(self, reduces: bool) -> None:
+        """Take this backward's grads: ignored params keep theirs locally; the others accumulate in
+        the reduce dtype and, when the implementation reduces at this backward, are reduced as
+        promised and added to the fp32 master grads."""
+        masters = dict(self.master.named_parameters())
+        for path, param in self.compute.named_parameters():
+            if param.grad is None:
+                continue
+            grad, param.grad = param.grad, None
+            plan = self.plans[path]
+            master = masters[path]
+            if plan.kind == "ignored":
+                master.grad = grad.to(master.dtype) if master.grad is None else master.grad + grad.to(master.dtype)
+                continue
+            held = grad.to(self.reduce_dtype)
+            if path in self._held:
+                held = self._held.pop(path) + held
+            if not reduces:
+                self._held[path] = held
+                continue
+            reduced = self._reduce(held, plan).to(master.dtype)
+            master.grad = reduced if master.grad is None else master.grad + reduced
+
+    def _reduce(self, grad: torch.Tensor, plan: ParamPlan) -> torch.Tensor:
+        op = dist.ReduceOp.AVG if self.ops[plan.group] == "avg" else dist.ReduceOp.SUM
+        grad = grad.contiguous()
+        dist.all_reduce(grad, op=op, group=self.meshes.shard_group(plan.mesh))
+        replicas = self.meshes.replicate_group(plan.mesh)
+        if replicas is not None and self.all_reduce[plan.group]:
+            dist.all_reduce(grad, op=op, group=replicas)
+        return grad
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        self._held.clear()
+        for param in self.master.parameters():
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.zero_()
+
+
+class Example:
+    """One configuration on this rank: the model under test beside its reference, checked."""
+
+    def __init__(self, config: Config, ctx: CaseContext) -> None:
+        self.config, self.ctx = config, ctx
+        self.tol: Tolerance = tolerance(precision_row(config))
+        self.meshes = Meshes(ctx, config)
+        self.model = build(config)
+        self.plans = param_plans(config, self.model)
+        self.reference = PromisedReference(config, self.meshes, self.plans)
+        self.shapes = {path: tuple(p.shape) for path, p in self.model.named_parameters()}
+        self.hsdp_modules: list[list[Any]] = []
+        self.after_forward: dict[int, dict[str, int]] = {}
+        self._recording_forward = False
+        # the effective reshard settings per call: None = True except for the root
+        self.reshard_after_forward = [g.reshard_after_forward for g in config.groups]
+        self.reshard_after_backward = [True] * len(config.groups)
+
+    # -- set-up --------------------------------------------------------------------------------
+    def shard(self) -> None:
+        """The configuration's fully_shard calls, bottom-up, then the layout checks."""
+        by_id = {id(p): path for path, p in self.model.named_parameters()}
+        for index, group in enumerate(self.config.groups):
+            modules = [self.model.get_submodule(p) if p else self.model for p in group.paths]
+            result = impl.fully_shard(modules if len(modules) > 1 else modules[0], **self._options(group, by_id))
+            self.hsdp_modules.append(result if isinstance(result, list) else [result])
+            for module in modules:
+                module.register_forward_hook(self._seen_after_forward(index))
+        if self.config.prefetch:
+            self._set_prefetch()
+        self._check_layout()
+
+    def _options(self, group: Group, by_id: dict[int, str]) -> dict[str, Any]:
+        named = dict(self.model.named_parameters())
+        options: dict[str, Any] = {"mesh": self.meshes.of(group.mesh)}
+        if group.reshard_after_forward is not None:
+            options["reshard_after_forward"] = group.reshard_after_forward
+        if not group.comm_fusion:
+            options["comm_fusion"] = False
+        if group.placements:
+
+            def placement(param: nn.Parameter, placements: dict[str, str] = group.placements) -> Any:
+                chosen = placements.get(by_id.get(id(param), ""))
+                if chosen is None:
+                    return None
+                return impl.Replicate() if chosen == "Replicate()" else impl.Shard(int(chosen[6:-1]))
+
+            options["shard_placement_fn"] = placement
+        if group.ignored:
+            options["ignored_params"] = [named[p] for p in group.ignored]
+        if group.replicated:
+            options["replicate_params"] = [named[p] for p in group.replicated]
+        if group.offload:
+            options["offload_policy"] = impl.CPUOffloadPolicy(pin_memory=False)
+        policy = self._policy()
+        if policy is not None:
+            options["mp_policy"] = policy
+        return options
+
+    def _policy(self) -> Any:
+        p = self.config.precision
+        if p.name == "fp32" and p.output is None and p.cast_inputs:
+            return None
+        param, reduce = PRECISIONS[p.name]
+        kwargs: dict[str, Any] = {}
+        if param != "fp32":
+            kwargs["param_dtype"] = DTYPES[param]
+        if reduce:
+            kwargs["reduce_dtype"] = DTYPES[reduce]
+        if p.output:
+            kwargs["output_dtype"] = DTYPES[p.output]
+        if not p.cast_inputs:
+            kwargs["cast_forward_inputs"] = False
+        if p.main_grad:
+            kwargs["apply_grad_on_fp32_main_grad"] = True
+        return impl.MixedPrecisionPolicy(**kwargs)
+
+    def _set_prefetch(self) -> None:
+        """Each call's first module prefetches the next call's forward, and the previous one's backward."""
+        firsts = [modules[0] for modules in self.hsdp_modules]
+        for i, module in enumerate(firsts):
+            if i + 1 < len(firsts):
+                module.set_modules_to_forward_prefetch([firsts[i + 1]])
+            if i > 0:
+                module.set_modules_to_backward_prefetch([firsts[i - 1]])
+
+    def _seen_after_forward(self, index: int) -> Callable[..., None]:
+        def seen(module: nn.Module, args: tuple, output: Any) -> None:
+            if self._recording_forward and index not in self.after_forward:
+                self.after_forward[index] = self._own_numels(index)
+
+        return seen
+
+    def _own_numels(self, index: int) -> dict[str, int]:
+        params = dict(self.model.named_parameters())
+        return {path: local_numel(params[path]) for path, plan in self.plans.items() if plan.group == index}
+
+    def _expected_local(self, plan: ParamPlan) -> tuple[int, ...]:
+        shape = self.shapes[plan.path]
+        if plan.kind != "sharded":
+            return shape
+        size, place = self.meshes.shard_coordinate(plan.mesh)
+        return shard_shape(shape, size, place, plan.dim)
+
+    def _check_layout(self) -> None:
+        params = dict(self.model.named_parameters())
+        for path, plan in self.plans.items():
+            param = params[path]
+            local = tuple(impl.local(param).shape)
+            self.ctx.equal(f"layout {path}: local shape", str(local), str(self._expected_local(plan)))
+            if plan.kind == "ignored":
+                self.ctx.true(
+                    f"layout {path}: ignored, a plain tensor", not impl.is_sharded(param), type(param).__name__
+                )
+                continue
+            self.ctx.true(f"layout {path}: sharded tensor", impl.is_sharded(param), type(param).__name__)
+            placements = [str(p) for p in impl.placements(param)]
+            self.ctx.equal(f"layout {path}: placements", str(placements), str(self._placements(plan)))
+
+    def _placements(self, plan: ParamPlan) -> list[str]:
+        inner = str(impl.Replicate()) if plan.kind == "replicated" else str(impl.Shard(plan.dim))
+        if plan.mesh == "mesh" and self.config.hsdp:
+            return [str(impl.Replicate()), inner]
+        return [inner]
+
+    # -- training ------------------------------------------------------------------------------
+    def run(self) -> None:
+        self.shard()
+        opts = self._optimizer(self.model.parameters()), self._optimizer(self.reference.master.parameters())
+        for index, step in enumerate(self.config.steps):
+            self._controls(step)
+            if step.state_dict_at == "before":
+                self._state_dict_round_trip(f"step {index} before forward")
+            if step.unshard is not None:
+                handle = self.hsdp_modules[step.unshard][0].unshard(async_op=True)
+                if handle is not None:
+                    handle.wait()
+            for micro, syncs in enumerate(step.micro):
+                self._micro(index, micro, step, syncs)
+            if not all(self.reshard_after_backward):
+                # kept unsharded after backward: the user reshards before reading the grads or
+                # stepping the shards (the contract of set_reshard_after_backward)
+                for modules in self.hsdp_modules:
+                    for module in modules:
+                        module.reshard()
+            self._check_grads(f"step {index}")
+            with impl.optimizer_step():
+                for opt in opts:
+                    opt.step()
+            self._zero_grad(step, opts)
+            self._check_params(f"step {index}")
+
+    def _optimizer(self, params: Any) -> torch.optim.Optimizer:
+        if self.config.optimizer == "adamw":
+            # eps well above the rounding of a zero true grad, so it cannot become a full lr step
+            return torch.optim.AdamW(params, lr=1e-3, eps=1e-3, weight_decay=0.01)
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+    def _controls(self, step: Any) -> None:
+        root = self.hsdp_modules[-1][0]
+        ref = self.reference
+        if step.reduce_op:
+            if step.reduce_op_group is None:
+                root.set_reduce_op_type(step.reduce_op)
+                ref.ops = [step.reduce_op] * len(ref.ops)
+            else:
+                for module in self.hsdp_modules[step.reduce_op_group]:
+                    module.set_reduce_op_type(step.reduce_op, recurse=False)
+                ref.ops[step.reduce_op_group] = step.reduce_op
+        if step.all_reduce is not None:
+            root.set_requires_all_reduce(step.all_reduce)
+            ref.all_reduce = [step.all_reduce] * len(ref.all_reduce)
+        if step.reshard_after_forward:
+            index, flag = step.reshard_after_forward
+            for module in self.hsdp_modules[index]:
+                module.set_reshard_after_forward(flag, recurse=False)
+            self.reshard_after_forward[index] = flag
+        if step.reshard_after_backward:
+            index, flag = step.reshard_after_backward
+            for module in self.hsdp_modules[index]:
+                module.set_reshard_after_backward(flag, recurse=False)
+            self.reshard_after_backward[index] = flag
+
+    def _micro(self, step_index: int, micro: int, step: Any, syncs: bool) -> None:
+        where = f"step {step_index} micro {micro}"
+        root = self.hsdp_modules[-1][0]
+        last = micro == len(step.micro) - 1
+        if step.hold_with_last_backward:
+            root.set_is_last_backward(last)
+        else:
+            root.set_requires_gradient_sync(syncs)
+        args, kwargs = batch(self.config, step_index, micro, self.ctx.rank)
+        self.after_forward.clear()
+        with record_collectives() as forward:
+            self._recording_forward = True
+            out = self.model(*args, **kwargs)
+            self._recording_forward = False
+        taken = None
+        if step.state_dict_at == "between" and last:  # loaded back after backward: torch's in-place rule
+            taken = self._state_dict_check(f"{where} between forward and backward")
+        with record_collectives() as backward:
+            loss = loss_of(out)
+            loss.backward()
+        if taken is not None:
+            self.model.load_state_dict(taken)
+        rec = CollectiveRecorder()
+        rec.calls = forward.calls + backward.calls
+        ref_out = self.reference.forward(args, kwargs)
+        ref_loss = loss_of(ref_out)
+        ref_loss.backward()
+        reduces = syncs or step.hold_with_last_backward
+        self.reference.after_backward(reduces)
+        self.ctx.close(f"{where} loss", loss, ref_loss, self.tol.loss)
+        self._check_output(where, out, ref_out)
+        self._check_reshard(where)
+        self._check_collectives(where, rec, reduces)
+        if step.state_dict_at == "after" and last:
+            self._state_dict_round_trip(f"{where} after backward")
+
+    def _check_output(self, where: str, out: Any, ref_out: Any) -> None:
+        self.ctx.equal(f"{where} output type", type(out).__name__, type(ref_out).__name__)
+        if isinstance(out, (dict, Out)) or isinstance(ref_out, (dict, Out)):
+            keys = sorted(out) if isinstance(out, dict) else sorted(vars(out)) if isinstance(out, Out) else []
+            ref_keys = sorted(ref_out) if isinstance(ref_out, dict) else sorted(vars(ref_out))
+            self.ctx.equal(f"{where} output fields", str(keys), str(ref_keys))
+        self.ctx.equal(f"{where} output dtype", str(first_tensor(out).dtype), str(first_tensor(ref_out).dtype))
+
+    def _check_reshard(self, where: str) -> None:
+        for index, numels in sorted(self.after_forward.items()):
+            root = index == len(self.config.groups) - 1
+            setting = self.reshard_after_forward[index]
+            resharded = (not root) if setting is None else setting
+            self._numels(f"{where} after forward, call {index} reshard_after_forward={setting}", numels, resharded)
+        for index in range(len(self.config.groups)):
+            resharded = self.reshard_after_backward[index]
+            self._numels(
+                f"{where} after backward, call {index} reshard_after_backward={resharded}",
+                self._own_numels(index),
+                resharded,
+            )
+
+    def _numels(self, label: str, numels: dict[str, int], resharded: bool) -> None:
+        for path, held in numels.items():
+            plan = self.plans[path]
+            if plan.kind != "sharded":
+                continue
+            shape = self._expected_local(plan) if resharded else self.shapes[path]
+            want = torch.Size(shape).numel()
+            self.ctx.equal(f"{label}: {path} local numel", held, want)
+
+    def _check_collectives(self, where: str, rec: CollectiveRecorder, reduces: bool) -> None:
+        param, _ = PRECISIONS[self.config.precision.name]
+        compute, reduce = self.reference.param_dtype, self.reference.reduce_dtype
+        gathers = {str(c.dtype) for c in rec.of("all_gather")}
+        self.ctx.true(f"{where} all-gather dtypes", gathers <= {str(compute)}, str(sorted(gathers)), str(compute))
+        reductions = rec.of("reduce_scatter") + [c for c in rec.of("all_reduce")]
+        dtypes = {str(c.dtype) for c in reductions}
+        self.ctx.true(f"{where} reduction dtypes", dtypes <= {str(reduce)}, str(sorted(dtypes)), str(reduce))
+        scattered = sum(c.numel for c in rec.of("reduce_scatter"))
+        label = f"{where} elements reduce-scattered (the trainable sharded params only)"
+        self.ctx.equal(label, scattered, self._scatter(reduces))
+        if not reduces:
+            self.ctx.equal(f"{where} all-reduces while held back", len(rec.of("all_reduce")), 0)
+
+    def _scatter(self, reduces: bool) -> int:
+        """What this rank puts into the reduce-scatters of one backward that reduces: each trainable
+        sharded param padded to ceil(rows / ranks) rows, times the ranks of its shard group."""
+        if not reduces:
+            return 0
+        total = 0
+        for plan in self.plans.values():
+            if plan.kind != "sharded" or not plan.trainable:
+                continue
+            size, _ = self.meshes.shard_coordinate(plan.mesh)
+            total += size * torch.Size(shard_shape(self.shapes[plan.path], size, 0, plan.dim)).numel()
+        return total
+
+    def _check_grads(self, where: str) -> None:
+        params = dict(self.model.named_parameters())
+        masters = dict(self.reference.master.named_parameters())
+        total, ref_total = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        for path in self.plans:
+            grad, ref_grad = params[path].grad, masters[path].grad
+            if grad is None or ref_grad is None:
+                self.ctx.equal(f"{where} grad {path} present", grad is not None, ref_grad is not None)
+                continue
+            whole = full(grad)
+            self.ctx.close(f"{where} grad {path}", whole, ref_grad, self.tol.grad)
+            total += whole.double().square().sum()
+            ref_total += ref_grad.double().square().sum()
+        self.ctx.close(f"{where} grad norm", total.sqrt(), ref_total.sqrt(), self.tol.grad)
+
+    def _zero_grad(self, step: Any, opts: tuple) -> None:
+        if step.zero_grad == "optimizer":
+            opts[0].zero_grad()
+            self.reference.zero_grad(set_to_none=True)
+            return
+        set_to_none = step.zero_grad == "module"
+        self.hsdp_modules[-1][0].zero_grad(set_to_none)
+        self.reference.zero_grad(set_to_none)
+        for path, param in self.model.named_parameters():
+            grad = param.grad
+            ok = grad is None if set_to_none else grad is None or not bool(full(grad).any())
+            self.ctx.true(f"after zero_grad(set_to_none={set_to_none}): {path} grad cleared", ok)
+
+    def _check_params(self, where: str) -> None:
+        masters = dict(self.reference.master.named_parameters())
+        for path, param in self.model.named_parameters():
+            self.ctx.close(f"{where} param {path}", full(param), masters[path], self.tol.grad)
+
+    def _state_dict_round_trip(self, where: str) -> None:
+        """A state dict taken now holds the sharded params (the reference's values); loading it
+        back raises nothing (the numbers after it show that it changed nothing)."""
+        self.model.load_state_dict(self._state_dict_check(where))
+
+    def _state_dict_check(self, where: str) -> dict[str, Any]:
+        """The model's state dict, checked: every param there, sharded (but the ignored ones), with
+        the reference's values."""
+        state = self.model.state_dict()
+        masters = dict(self.reference.master.named_parameters())
+        for path, plan in self.plans.items():
+            value = state.get(path)
+            if value is None:
+                self.ctx.true(f"{where}: state dict holds {path}", False)
+                continue
+            if plan.kind != "ignored":
+                self.ctx.true(f"{where}: state dict {path} sharded", impl.is_sharded(value), type(value).__name__)
+            held = full(value).detach()
+            self.ctx.close(f"{where}: state dict {path} value", held, masters[path].detach(), self.tol.grad)
+        return state
+
+
+def run_example(config_json: str) -> dict[str, Any]:
+    """Engine side: run one configuration on this rank; its checks, as a case's."""
+    config = Config.from_json(config_json)
+    ctx = CaseContext(None, dist.get_rank(), dist.get_world_size())
+    torch.manual_seed(config.seed)
+    try:
+        Example(config, ctx).run()
+    except PreconditionFailed:
+        pass
+    finally:
+        from tests.kit.rank_runtime import keep
+
+        keep(case_ctx=ctx, l4_config=config)
+    return ctx.result()

@@ -1,0 +1,222 @@
+"""The driver side of L4: run one configuration on the cluster, explore the space with Hypothesis
+(draw, run, shrink any failure to a minimal configuration, save it), replay a saved one, and count
+what was drawn.
+
+Two Hypothesis settings profiles: ``ci`` (a fixed seed, no example database: the same examples on
+every machine and every run) and ``deep`` (an example database under ``runs/l4/db``, so a failure
+found once is tried first the next time). A failure's minimal configuration is saved as JSON under
+``runs/l4/<id>.json``; ``replay(cluster, "<id>" or a path)`` runs it again, from pytest
+(``--replay``), the sweep and the L4 notebook alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+from tests.kit.checks import Check
+from tests.kit.cluster import RankCluster, RankFailure
+from tests.kit.explore.oracle import run_example
+from tests.kit.explore.space import Config, configs
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+SAVED = REPO_ROOT / "runs" / "l4"
+REGRESSIONS = Path(__file__).resolve().parent / "regressions"
+TIMEOUT_S = 60.0  # one configuration on up to 8 ranks; a hang fails with every rank's stack
+
+settings.register_profile(
+    "ci",
+    deadline=None,
+    database=None,
+    derandomize=False,  # the seed decides: @seed(S) makes the draws the same everywhere
+    suppress_health_check=list(HealthCheck),
+    report_multiple_bugs=False,
+    phases=(Phase.explicit, Phase.generate, Phase.shrink),
+    print_blob=False,
+)
+settings.register_profile(
+    "deep",
+    deadline=None,
+    database=DirectoryBasedExampleDatabase(str(SAVED / "db")),
+    suppress_health_check=list(HealthCheck),
+    report_multiple_bugs=False,
+)
+
+
+@dataclass
+class ExampleResult:
+    """One configuration's run: passed, or its first failures in a paragraph."""
+
+    config: Config
+    passed: bool
+    failure: str = ""
+    checks: int = 0
+    seconds: float = 0.0
+
+    @property
+    def id(self) -> str:
+        return config_id(self.config)
+
+
+def config_id(config: Config) -> str:
+    """A short name of a configuration (its JSON's hash)."""
+    return hashlib.sha1(config.to_json().encode()).hexdigest()[:10]
+
+
+def run_config(cluster: RankCluster, config: Config, timeout: float = TIMEOUT_S) -> ExampleResult:
+    """Run ``config`` on the cluster's first ``config.world`` engines and judge every rank's checks."""
+    started = time.monotonic()
+    try:
+        results = cluster.run(run_example, config.world, config.to_json(), timeout=timeout)
+    except RankFailure as failure:
+        return ExampleResult(config, False, str(failure)[:4000], 0, time.monotonic() - started)
+    checks = [Check(**c) for result in results for c in result["checks"]]
+    failed = [c for c in checks if not c.passed]
+    text = "; ".join(
+        f"rank {c.rank}: {c.name}: {c.measured} vs {c.reference} (error {c.error}, tol {c.tol})" for c in failed[:4]
+    )
+    if len(failed) > 4:
+        text += f"; and {len(failed) - 4} more failed checks"
+    return ExampleResult(config, not failed, text, len(checks), time.monotonic() - started)
+
+
+@dataclass
+class Exploration:
+    """What an exploration ran and found."""
+
+    examples: int = 0  # configurations run (shrinking included)
+    drawn: int = 0  # configurations drawn by the generation phase
+    seconds: float = 0.0
+    coverage: Counter = field(default_factory=Counter)  # (option, value) -> configurations drawn
+    minimal: ExampleResult | None = None  # the smallest failing configuration, after shrinking
+    saved: Path | None = None
+    failures_seen: int = 0
+    budget_spent: bool = False
+
+    @property
+    def passed(self) -> bool:
+        return self.minimal is None
+
+    def summary(self) -> str:
+        rate = 60 * self.drawn / self.seconds if self.seconds else 0.0
+        head = f"L4: {self.drawn} configurations drawn, {self.examples} run, {self.seconds:.0f} s ({rate:.0f} a minute)"
+        if self.budget_spent:
+            head += ", time budget spent"
+        if self.passed:
+            return head + ": no failure"
+        size = self.minimal.config.size()
+        return (
+            f"{head}: FAIL, shrunk to {size['groups']} group(s), {size['steps']} step(s), world {size['world']} "
+            f"({self.minimal.id}, saved {self.saved}): {self.minimal.failure[:600]}"
+        )
+
+
+def explore(
+    cluster: RankCluster,
+    features: frozenset[str],
+    examples: int = 50,
+    seed: int = 0,
+    max_world: int = 4,
+    budget_s: float = 0.0,
+    profile: str = "ci",
+    on_example: Callable[[ExampleResult, bool], None] | None = None,
+    save_dir: Path = SAVED,
+) -> Exploration:
+    """Draw ``examples`` configurations of ``features`` on up to ``max_world`` ranks (no more than
+    the cluster has), run each, shrink the first failure to a minimal one and save it.
+    ``on_example(result, shrinking)`` is told of every run (progress); ``budget_s`` > 0 stops
+    drawing new configurations once that many seconds have gone (the examples left pass unrun)."""
+    max_world = min(max_world, cluster.n_engines)
+    found = Exploration()
+    failing: list[ExampleResult] = []
+    started = time.monotonic()
+
+    @settings(settings.get_profile(profile), max_examples=examples)
+    @hypothesis_seed(seed)
+    @given(configs(features, max_world))
+    def every_configuration_keeps_its_promise(config: Config) -> None:
+        shrinking = bool(failing)
+        if not shrinking:
+            if budget_s and time.monotonic() - started > budget_s:
+                found.budget_spent = True
+                return
+            found.drawn += 1
+            found.coverage.update(config.coverage().items())
+        result = run_config(cluster, config)
+        found.examples += 1
+        if on_example is not None:
+            on_example(result, shrinking)
+        if not result.passed:
+            failing.append(result)
+            raise AssertionError(result.failure)
+
+    try:
+        every_configuration_keeps_its_promise()
+    except AssertionError:
+        found.minimal = failing[-1]  # Hypothesis runs the minimal failing example last
+        found.failures_seen = len(failing)
+        found.saved = save(found.minimal, save_dir)
+    found.seconds = time.monotonic() - started
+    return found
+
+
+def save(result: ExampleResult, folder: Path = SAVED) -> Path:
+    """Write a failing configuration as JSON: ``<folder>/<id>.json``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{result.id}.json"
+    data = {
+        "id": result.id,
+        "size": result.config.size(),
+        "failure": result.failure,
+        "config": json.loads(result.config.to_json()),
+    }
+    path.write_text(json.dumps(data, indent=1, sort_keys=True))
+    return path
+
+
+def load(what: str | Path) -> Config:
+    """A saved configuration: a path, or an id under ``runs/l4/`` or the committed regressions."""
+    path = Path(what)
+    if not path.suffix:
+        candidates = [SAVED / f"{what}.json", REGRESSIONS / f"{what}.json"]
+        path = next((p for p in candidates if p.exists()), candidates[0])
+    if not path.exists():
+        raise FileNotFoundError(f"no saved L4 configuration {what!r} (looked at {path})")
+    data = json.loads(path.read_text())
+    return Config.from_json(data["config"] if "config" in data else data)
+
+
+def replay(cluster: RankCluster, what: str | Path) -> ExampleResult:
+    """Run a saved configuration again."""
+    return run_config(cluster, load(what))
+
+
+def coverage_rows(coverage: Counter) -> list[tuple[str, str, int]]:
+    """(option, value, configurations) sorted by option, most drawn first."""
+    return sorted(((option, value, n) for (option, value), n in coverage.items()), key=lambda r: (r[0], -r[2], r[1]))
+
+
+def features_of(cluster: RankCluster) -> frozenset[str]:
+    """The features the implementation on the cluster's engines declares (asked of rank 0)."""
+    return frozenset(cluster.view(0).apply_sync(_declared))
+
+
+def _declared() -> list[str]:
+    from tests.kit.surface import impl
+
+    return sorted(impl.features)
+
+
+def describe(config: Config) -> dict[str, Any]:
+    """A configuration as plain data, for notebooks and logs."""
+    return json.loads(config.to_json())

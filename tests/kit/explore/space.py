@@ -1,0 +1,442 @@
+"""The space L4 explores: one configuration of the whole API, as plain JSON-serialisable
+dataclasses, and the Hypothesis strategies that draw it.
+
+A configuration names a world size and mesh, a model from the grammar (``tests.kit.explore.grammar``),
+the ``fully_shard`` calls (bottom-up, each with its options), a precision policy, and a schedule of
+steps (micro-batches and the controls set before each step). Small strategies compose into
+``configs(features, max_world)``; a feature the implementation does not declare is never drawn,
+so any implementation behind an adapter can be explored. Dims are drawn to hit the layouts that
+break sharding: 1, primes, fewer rows than ranks, exact multiples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import strategies as st
+
+LEAVES = ("linear", "layernorm", "rmsnorm", "conv1d")
+BLOCKS = ("seq", "list", "res", "tied")
+PRECISIONS = {  # the precision matrix's combinations: (param, reduce)
+    "fp32": ("fp32", None),
+    "bf16/fp32": ("bf16", "fp32"),
+    "bf16/bf16": ("bf16", "bf16"),
+    "fp16/fp32": ("fp16", "fp32"),
+}
+
+
+@dataclass
+class Layer:
+    """A leaf module: ``kind`` from ``LEAVES`` (or ``embedding``, first for token inputs)."""
+
+    kind: str
+    out: int  # output features (norms and conv1d keep their input's)
+    bias: bool = True
+    frozen: bool = False  # requires_grad=False
+    buffer: bool = False  # a buffer its output is scaled by
+    channels: int = 1  # conv1d: output channels (averaged back to one)
+    kernel: int = 1  # conv1d: kernel size (odd; padded to keep the length)
+
+
+@dataclass
+class Node:
+    """A module of the grammar: a leaf, or a block of children (``seq``: nn.Sequential; ``list``: a
+    custom block looping over an nn.ModuleList; ``res``: x + child(x); ``tied``: two square Linears
+    sharing one weight), optionally under activation checkpointing."""
+
+    kind: str
+    children: list[Node] = field(default_factory=list)
+    layer: Layer | None = None
+    checkpoint: str = ""  # "", "reentrant", "non_reentrant"
+
+
+@dataclass
+class Group:
+    """One ``fully_shard`` call: its modules (several: a list input) and its options."""
+
+    paths: list[str]  # module paths ("" is the root); several: one list call, each its own group
+    reshard_after_forward: bool | None = None
+    comm_fusion: bool = True
+    placements: dict[str, str] = field(default_factory=dict)  # param path -> "Shard(d)" / "Replicate()"
+    ignored: list[str] = field(default_factory=list)
+    replicated: list[str] = field(default_factory=list)
+    offload: bool = False
+    mesh: str = "mesh"  # "mesh": the config's; "shard": its shard dim (HSDP); "flat": 1-D over all ranks
+
+
+@dataclass
+class Precision:
+    """The MixedPrecisionPolicy of every call."""
+
+    name: str = "fp32"  # a key of PRECISIONS
+    output: str | None = None  # output_dtype: None or "fp32"
+    cast_inputs: bool = True
+    main_grad: bool = False
+
+
+@dataclass
+class Step:
+    """One optimizer step: its micro-batches and the controls set before the first of them."""
+
+    micro: list[bool] = field(default_factory=lambda: [True])  # gradient sync per micro-batch; the last is on
+    hold_with_last_backward: bool = False  # hold back with set_is_last_backward(False), not sync off
+    reduce_op: str | None = None  # "sum" / "avg"
+    reduce_op_group: int | None = None  # None: the root, recurse; i: group i alone (recurse=False)
+    all_reduce: bool | None = None  # HSDP: set_requires_all_reduce on the root (recurse)
+    reshard_after_forward: list | None = None  # [group, flag] set before the step
+    reshard_after_backward: list | None = None  # [group, flag]
+    unshard: int | None = None  # a group unshard(async_op=True)-ed before the first forward
+    state_dict_at: str = ""  # "", "before" (forward), "between" (forward and backward), "after" (backward)
+    zero_grad: str = "optimizer"  # "optimizer"; "module": HSDPModule.zero_grad(); "module zeros": (False)
+
+
+@dataclass
+class Config:
+    """One configuration of the whole API."""
+
+    world: int
+    mesh: list[int]  # [W] (FSDP) or [R, S] (HSDP)
+    input: str  # "tensor", "tokens" (an embedding first), "dict" ({"x": ...}), "keyword" (x=..., scale=...)
+    output: str  # "tensor", "tuple", "dict", "dataclass"
+    dim: int  # input features (tokens: the vocabulary)
+    body: Node
+    groups: list[Group]  # bottom-up; the last one is the root
+    precision: Precision = field(default_factory=Precision)
+    prefetch: bool = False  # each group prefetches the next one forward and the previous one backward
+    steps: list[Step] = field(default_factory=lambda: [Step()])
+    optimizer: str = "sgd"
+    seed: int = 0
+
+    # -- JSON -----------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str | dict) -> Config:
+        data = json.loads(text) if isinstance(text, str) else text
+        return Config(
+            **{
+                **data,
+                "body": _node(data["body"]),
+                "groups": [Group(**g) for g in data["groups"]],
+                "precision": Precision(**data["precision"]),
+                "steps": [Step(**s) for s in data["steps"]],
+            }
+        )
+
+    # -- what it asks for -------------------------------------------------------------------------
+    @property
+    def hsdp(self) -> bool:
+        return len(self.mesh) == 2
+
+    def size(self) -> dict[str, int]:
+        """How big the configuration is: groups (fully_shard'ed modules), steps, leaves, world."""
+        return {
+            "groups": sum(len(g.paths) for g in self.groups),
+            "steps": len(self.steps),
+            "micro-batches": sum(len(s.micro) for s in self.steps),
+            "leaves": _leaves(self.body),
+            "world": self.world,
+        }
+
+    def features(self) -> set[str]:
+        """The plan features (``tests.kit.surface.FEATURES``) this configuration uses."""
+        used = {"fully_shard"}
+        if self.hsdp:
+            used.add("hsdp")
+        if any(g.mesh != "mesh" for g in self.groups):
+            used.add("submesh")
+        if _checkpointed(self.body):
+            used.add("activation_checkpointing")
+        if self.prefetch:
+            used.add("prefetch")
+        p = self.precision
+        if p.name != "fp32" or p.output:
+            used.add("mixed_precision")
+        if not p.cast_inputs:
+            used.add("cast_forward_inputs")
+        if p.main_grad:
+            used.add("main_grad")
+        for g in self.groups:
+            if len(g.paths) > 1:
+                used.add("list_input")
+            if g.reshard_after_forward is not None:
+                used.add("reshard_after_forward")
+            if not g.comm_fusion:
+                used.add("comm_fusion")
+            if g.ignored:
+                used.add("ignored_params")
+            if g.replicated:
+                used.add("replicate_params")
+            if g.offload:
+                used.add("cpu_offload")
+            for placement in g.placements.values():
+                used.add("placement_replicate" if placement == "Replicate()" else "shard_placement_fn")
+        for s in self.steps:
+            if not all(s.micro):
+                used.add("last_backward" if s.hold_with_last_backward else "gradient_sync")
+            if s.reduce_op:
+                used.add("reduce_op_type")
+            if s.reduce_op_group is not None:
+                used.add("recurse_false")
+            if s.all_reduce is not None:
+                used.add("all_reduce_control")
+            if s.reshard_after_forward or s.reshard_after_backward:
+                used.add("reshard_controls")
+            if s.unshard is not None:
+                used.add("unshard_reshard")
+            if s.state_dict_at:
+                used.add("dcp")
+            if s.zero_grad != "optimizer":
+                used.add("zero_grad")
+        return used
+
+    def coverage(self) -> dict[str, str]:
+        """What was drawn, one value per option (the explorer's table of what came up)."""
+        kinds = sorted(_kinds(self.body))
+        return {
+            "world size": str(self.world),
+            "mesh": "x".join(map(str, self.mesh)),
+            "input": self.input,
+            "output": self.output,
+            "precision": self.precision.name + (" main grad" if self.precision.main_grad else ""),
+            "modules": ",".join(kinds),
+            "groups": str(self.size()["groups"]),
+            "steps": str(len(self.steps)),
+            "optimizer": self.optimizer,
+            **{f"uses {name}": "yes" for name in sorted(self.features() - {"fully_shard"})},
+        }
+
+
+def _node(data: dict) -> Node:
+    layer = Layer(**data["layer"]) if data.get("layer") else None
+    return Node(data["kind"], [_node(c) for c in data.get("children", [])], layer, data.get("checkpoint", ""))
+
+
+def _leaves(node: Node) -> int:
+    return 1 if node.kind == "leaf" else 2 if node.kind == "tied" else sum(_leaves(c) for c in node.children)
+
+
+def _kinds(node: Node) -> set[str]:
+    own = {node.layer.kind} if node.layer else {node.kind}
+    return own.union(*(_kinds(c) for c in node.children)) if node.children else own
+
+
+def _checkpointed(node: Node) -> bool:
+    return bool(node.checkpoint) or any(_checkpointed(c) for c in node.children)
+
+
+# -- strategies --------------------------------------------------------------------------------
+def dims(world: int, uneven: bool) -> st.SearchStrategy[int]:
+    """Feature sizes that stress the layout: 1, primes, fewer rows than ranks, exact multiples
+    (only multiples of the world where the implementation has no uneven sharding)."""
+    if not uneven:
+        return st.sampled_from(sorted({world, 2 * world}))
+    return st.sampled_from(sorted({1, 2, 3, 5, 7, 8, 13, world, 2 * world, world + 1, max(1, world - 1)}))
+
+
+@st.composite
+def layers(draw: Any, width: st.SearchStrategy[int], features: frozenset[str], allow_frozen: bool) -> Layer:
+    kind = draw(st.sampled_from(LEAVES))
+    frozen = allow_frozen and draw(st.booleans()) and draw(st.booleans())  # one leaf in four
+    buffer = draw(st.booleans()) and draw(st.booleans())
+    if kind == "linear":
+        return Layer("linear", draw(width), draw(st.booleans()), frozen, buffer)
+    if kind == "conv1d":
+        return Layer("conv1d", 0, draw(st.booleans()), frozen, buffer, draw(width), draw(st.sampled_from((1, 3))))
+    return Layer(kind, 0, kind == "layernorm" and draw(st.booleans()), frozen, buffer)
+
+
+@st.composite
+def nodes(draw: Any, width: st.SearchStrategy[int], features: frozenset[str], depth: int) -> Node:
+    """A module tree up to ``depth`` levels of blocks (3 at most), a few leaves in all."""
+    if depth == 0 or draw(st.integers(0, 2)) == 0:
+        return Node("leaf", layer=draw(layers(width, features, allow_frozen=True)))
+    kind = draw(st.sampled_from(BLOCKS))
+    checkpoint = ""
+    if "activation_checkpointing" in features and kind != "tied" and draw(st.integers(0, 3)) == 0:
+        checkpoint = draw(st.sampled_from(("reentrant", "non_reentrant")))
+    if kind == "tied":
+        return Node("tied", checkpoint=checkpoint)
+    children = draw(st.lists(nodes(width, features, depth - 1), min_size=1, max_size=3 if kind != "res" else 1))
+    return Node(kind, children, checkpoint=checkpoint)
+
+
+def factorisations(world: int) -> list[list[int]]:
+    """Every (R, S) with R x S = world: the 2-D HSDP meshes of a world size."""
+    return [[r, world // r] for r in range(1, world + 1) if world % r == 0]
+
+
+@st.composite
+def meshes(draw: Any, world: int, features: frozenset[str]) -> list[int]:
+    if "hsdp" in features and draw(st.booleans()):
+        return draw(st.sampled_from(factorisations(world)))
+    return [world]
+
+
+@st.composite
+def precisions(draw: Any, features: frozenset[str]) -> Precision:
+    if "mixed_precision" not in features or draw(st.booleans()):
+        return Precision()
+    name = draw(st.sampled_from(tuple(PRECISIONS)))
+    output = draw(st.sampled_from((None, "fp32")))
+    cast = "cast_forward_inputs" not in features or draw(st.booleans()) or draw(st.booleans())
+    main = "main_grad" in features and name != "fp32" and PRECISIONS[name][1] == "fp32" and draw(st.booleans())
+    return Precision(name, output, cast, main)
+
+
+@st.composite
+def configs(draw: Any, features: frozenset[str], max_world: int = 4) -> Config:
+    """One configuration drawing only ``features`` (what the implementation declares)."""
+    from tests.kit.explore.grammar import build, names
+
+    world = draw(st.integers(1, max_world))
+    mesh = draw(meshes(world, features))
+    uneven = "uneven" in features
+    width = dims(world, uneven)
+    inputs = ["tensor", "tokens", "dict", "keyword"]
+    config = Config(
+        world=world,
+        mesh=mesh,
+        input=draw(st.sampled_from(inputs)),
+        output=draw(st.sampled_from(["tensor", "tuple", "dict", "dataclass"])),
+        dim=draw(width),
+        body=draw(nodes(width, features, depth=3)),
+        groups=[],
+        precision=draw(precisions(features)),
+        optimizer=draw(st.sampled_from(["sgd", "adamw"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+    model = build(config)
+    modules, params = names(model)
+    config.groups = draw(groups(config, modules, params, features))
+    config.prefetch = "prefetch" in features and len(config.groups) > 1 and draw(st.booleans())
+    config.steps = draw(st.lists(steps(config, features), min_size=1, max_size=3))
+    return config
+
+
+@st.composite
+def groups(
+    draw: Any, config: Config, modules: dict[str, int], params: dict[str, tuple[int, ...]], features: frozenset[str]
+) -> list[Group]:
+    """The fully_shard calls: a subset of the modules, bottom-up, then the root; list calls of
+    unrelated modules where list input is declared."""
+    candidates = sorted(path for path in modules if path)
+    chosen = draw(st.lists(st.sampled_from(candidates), unique=True, max_size=4)) if candidates else []
+    chosen.sort(key=lambda p: (-modules[p], p))  # deepest first: bottom-up
+    calls: list[list[str]] = []
+    for path in chosen:
+        unrelated = calls and all(not _related(path, other) for other in calls[-1])
+        if "list_input" in features and unrelated and modules[path] == modules[calls[-1][0]] and draw(st.booleans()):
+            calls[-1].append(path)
+        else:
+            calls.append([path])
+    calls.append([""])
+    managed: set[str] = set()
+    out = []
+    for paths in calls:
+        own = [p for p in params if any(_under(p, path) for path in paths) and p not in managed]
+        managed.update(own)
+        out.append(draw(group_options(config, paths, own, params, features, root=paths == [""])))
+    return out
+
+
+def _under(param: str, module: str) -> bool:
+    return module == "" or param.startswith(module + ".")
+
+
+def _related(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+@st.composite
+def group_options(
+    draw: Any,
+    config: Config,
+    paths: list[str],
+    own: list[str],
+    params: dict[str, tuple[int, ...]],
+    features: frozenset[str],
+    root: bool,
+) -> Group:
+    group = Group(paths)
+    if "reshard_after_forward" in features:
+        group.reshard_after_forward = draw(st.sampled_from((None, True, False)))
+    if "comm_fusion" in features:
+        group.comm_fusion = draw(st.booleans()) or draw(st.booleans())
+    if "cpu_offload" in features and draw(st.integers(0, 4)) == 0:
+        group.offload = True
+    if "submesh" in features and not root and config.hsdp and draw(st.integers(0, 2)) == 0:
+        group.mesh = draw(st.sampled_from(("shard", "flat")))
+    shard = shard_size(config, group.mesh)
+    free = list(own)
+    if "ignored_params" in features and free and draw(st.integers(0, 3)) == 0:
+        group.ignored = draw(st.lists(st.sampled_from(free), unique=True, min_size=1, max_size=2))
+        free = [p for p in free if p not in group.ignored]
+    if "replicate_params" in features and free and draw(st.integers(0, 3)) == 0:
+        group.replicated = draw(st.lists(st.sampled_from(free), unique=True, min_size=1, max_size=2))
+        free = [p for p in free if p not in group.replicated]
+    for path in free:
+        placement = draw(placements(params[path], shard, features))
+        if placement:
+            group.placements[path] = placement
+    return group
+
+
+def shard_size(config: Config, mesh: str) -> int:
+    """How many ranks a group on ``mesh`` shards over."""
+    if mesh == "flat":
+        return config.world
+    return config.mesh[-1]
+
+
+@st.composite
+def placements(draw: Any, shape: tuple[int, ...], shard: int, features: frozenset[str]) -> str | None:
+    """None (Shard(0)), or Shard(d) / Replicate() where declared and where the layout allows."""
+    if draw(st.integers(0, 2)) != 0:
+        return None
+    options = []
+    if "placement_replicate" in features:
+        options.append("Replicate()")
+    if "shard_placement_fn" in features:
+        for dim in range(1, len(shape)):
+            even = shape[dim] % shard == 0
+            if even or ("uneven" in features and "uneven_other_dims" in features):
+                options.append(f"Shard({dim})")
+    return draw(st.sampled_from(options)) if options else None
+
+
+@st.composite
+def steps(draw: Any, config: Config, features: frozenset[str]) -> Step:
+    step = Step()
+    count = draw(st.integers(1, 3)) if ("gradient_sync" in features or "last_backward" in features) else 1
+    held = [draw(st.booleans()) for _ in range(count - 1)]
+    step.micro = [not h for h in held] + [True]
+    if not all(step.micro):
+        styles = [s for s in ("gradient_sync", "last_backward") if s in features]
+        step.hold_with_last_backward = draw(st.sampled_from(styles)) == "last_backward"
+    n_groups = len(config.groups)
+    if "reduce_op_type" in features and draw(st.integers(0, 2)) == 0:
+        step.reduce_op = draw(st.sampled_from(("sum", "avg")))
+        if "recurse_false" in features and draw(st.booleans()):
+            step.reduce_op_group = draw(st.integers(0, n_groups - 1))
+    if "all_reduce_control" in features and config.hsdp and draw(st.integers(0, 2)) == 0:
+        step.all_reduce = draw(st.booleans())
+    if "reshard_controls" in features and draw(st.integers(0, 2)) == 0:
+        which = draw(st.sampled_from(("reshard_after_forward", "reshard_after_backward")))
+        setattr(step, which, [draw(st.integers(0, n_groups - 1)), draw(st.booleans())])
+    if "unshard_reshard" in features and draw(st.integers(0, 3)) == 0:
+        step.unshard = draw(st.integers(0, n_groups - 1))
+    if "dcp" in features and draw(st.integers(0, 3)) == 0:
+        step.state_dict_at = draw(st.sampled_from(("before", "between", "after")))
+    if "zero_grad" in features and draw(st.integers(0, 2)) == 0:
+        step.zero_grad = draw(st.sampled_from(("module", "module zeros")))
+    return step
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
