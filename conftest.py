@@ -33,7 +33,7 @@ OTHER_ARITHMETIC = {"ATEN_CPU_CAPABILITY": "default", "HPKIT_RANK_THREADS": "2"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """--implementation SPEC (see tests.kit.surface) and --isolate (fresh engines per case)."""
+    """--implementation SPEC (see tests.kit.surface), --isolate (fresh engines per case), --replay (L4)."""
     group = parser.getgroup("hyper-parallel-kit")
     group.addoption(
         "--implementation",
@@ -42,6 +42,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "file:ADAPTER.py (default: this repository's engine). Only the plan cases run against another one.",
     )
     group.addoption("--isolate", action="store_true", help="fresh engines for every plan case")
+    group.addoption(
+        "--replay",
+        action="append",
+        default=[],
+        metavar="ID_OR_PATH",
+        help="an L4 configuration to replay (tests/kit/test_explore.py): its id under runs/l4/ or a .json path",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -149,10 +149,70 @@ def build(level: str) -> nbformat.NotebookNode:
     return notebook
 
 
+L4_NOTEBOOK = "L4_generalization.ipynb"
+
+L4_PARAMETERS = """\
+seed = 0                   # Hypothesis seed: the same configurations everywhere
+examples = 20              # configurations to draw (nbval's run in `make test` is this budget)
+max_world_size = 4         # largest world size drawn (1..8; the cluster needs as many engines)
+implementation = ""        # implementation under test: "" (ours), a checkout PATH, "torch", "upstream:PATH"
+time_budget = 0            # seconds; stop drawing after them (0: no limit)
+replay = ""                # a saved configuration to run instead: its id (runs/l4/) or a .json path
+cluster_id = ""            # join this running ipyparallel cluster (the sweep passes its own)
+profile = ""               # ipyparallel profile; "hpkit" is installed by `make setup`
+engines = 4                # engines to start when not joining
+results_path = ""          # write the summary here (JSON), for the sweep's index"""
+
+L4_SETUP = """\
+import pathlib
+import sys
+
+root = next(p for p in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents] if (p / "tests" / "kit").is_dir())
+sys.path.insert(0, str(root))
+
+from tests.kit import notebook as nb
+from tests.kit.explore import report as l4"""
+
+
+def build_l4() -> nbformat.NotebookNode:
+    """The L4 notebook: the generalization explorer (``tests.kit.explore``)."""
+    cells = [
+        new_markdown_cell(
+            "# L4 — generalization\n\nConfigurations of the whole `fully_shard` API drawn at random "
+            "(world size and mesh, a model from a small grammar, which modules are sharded with which "
+            "options, a schedule of steps and controls), each run on the warm cluster against what the API "
+            "promises for it (`tests/kit/explore/`), and a failure shrunk by Hypothesis to its smallest "
+            "configuration, saved under `runs/l4/` and replayable. Headless:\n\n"
+            "    papermill notebooks/L4_generalization.ipynb out.ipynb -p examples 100 -p seed 3\n"
+            "    papermill notebooks/L4_generalization.ipynb out.ipynb -p replay 1a2b3c4d5e\n\n"
+            "Cells: parameters, set-up, cluster, run, summary (text, checked by nbval), what was drawn "
+            "(table and plot), the minimal failing configuration, and a last cell that raises if one failed."
+        ),
+        _code(L4_PARAMETERS, "parameters"),
+        _code(L4_SETUP),
+        _code("cluster = nb.connect(cluster_id, profile, engines, implementation)\ncluster", "nbval-ignore-output"),
+        _code(
+            "done = l4.run(cluster, seed, examples, max_world_size, time_budget, replay)", "nbval-ignore-output"
+        ),
+        new_markdown_cell("## Summary\nHow many configurations were drawn, and how often each option came up."),
+        _code("print(l4.summary_text(done))"),
+        new_markdown_cell("## What was drawn"),
+        _code("from IPython.display import HTML\n\nHTML(l4.coverage_html(done))", "nbval-ignore-output"),
+        _code("l4.plot_coverage(done);", "nbval-ignore-output"),
+        new_markdown_cell("## The minimal failing configuration"),
+        _code("print(l4.failure_text(done))", "nbval-ignore-output"),
+        _code("l4.write_results(done, results_path)\nl4.raise_if_failed(done)"),
+    ]
+    notebook = new_notebook(cells=cells)
+    notebook.metadata["kernelspec"] = KERNEL
+    notebook.metadata["language_info"] = {"name": "python"}
+    return notebook
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", action="store_true", help="execute with papermill, in place")
-    parser.add_argument("--levels", default=",".join(LEVELS), help="comma-separated levels")
+    parser.add_argument("--levels", default=",".join([*LEVELS, "L4"]), help="comma-separated levels (and L4)")
     args = parser.parse_args()
     kernel = KERNEL["name"]
     if args.record:
@@ -164,8 +224,8 @@ def main() -> int:
         if note:
             print(note, file=sys.stderr)
     for level in args.levels.split(","):
-        path = HERE / LEVELS[level].notebook_file
-        nbformat.write(build(level), path)
+        path = HERE / (L4_NOTEBOOK if level == "L4" else LEVELS[level].notebook_file)
+        nbformat.write(build_l4() if level == "L4" else build(level), path)
         print(f"wrote {path}")
         if args.record:
             import papermill

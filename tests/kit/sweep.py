@@ -54,6 +54,7 @@ from tests.kit.levels import LEVELS
 from tests.kit.notebook import select
 from tests.kit.surface import parse_implementations
 from tests.kit.sweep_index import case_line, overhead_report, write_index
+from tests.kit.sweep_l4 import run_l4
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
@@ -159,6 +160,15 @@ def _failed_row(spec: Case, error: str | None) -> dict[str, Any]:
 
 def _execute(spec: Case, notebook: Path, parameters: dict[str, Any], runner: Runner) -> tuple[str | None, float]:
     """Run the level notebook of ``spec`` into ``notebook`` on a fresh kernel: (error, kernel start s)."""
+    source = NOTEBOOKS / LEVELS[spec.level].notebook_file
+    return execute(source, notebook, parameters, runner, int(spec.timeout) + _SLACK_S)
+
+
+def execute(
+    source: Path, notebook: Path, parameters: dict[str, Any], runner: Runner, timeout: int
+) -> tuple[str | None, float]:
+    """Run the notebook ``source`` into ``notebook`` on a fresh kernel, each cell bounded by ``timeout``
+    seconds: (error, kernel start s)."""
     from tests.kit.kernel_fork import stop_kernel
 
     started = time.monotonic()
@@ -173,7 +183,7 @@ def _execute(spec: Case, notebook: Path, parameters: dict[str, Any], runner: Run
         if runner.ahead:
             pool.prepare()
         papermill.execute_notebook(
-            str(NOTEBOOKS / LEVELS[spec.level].notebook_file),
+            str(source),
             str(notebook),
             parameters=parameters,
             engine_name=_ENGINE,
@@ -181,7 +191,7 @@ def _execute(spec: Case, notebook: Path, parameters: dict[str, Any], runner: Run
             kernel_name=runner.kernel,
             km=km,
             cwd=str(NOTEBOOKS),
-            execution_timeout=int(spec.timeout) + _SLACK_S,
+            execution_timeout=timeout,
             progress_bar=False,
         )
     except Exception as exc:  # noqa: BLE001 - a failed case is recorded, the sweep goes on
@@ -316,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--plain-kernels", action="store_true", help="start every kernel as plain papermill does (no fork)"
     )
+    parser.add_argument(
+        "--l4-examples", type=int, default=20, help="L4 configurations per implementation (0: no L4; default 20)"
+    )
+    parser.add_argument("--l4-replay", default="", help="L4: replay this saved configuration instead of exploring")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"), help="list cases that changed from sweep A to B")
     parser.add_argument("--rtol", type=float, default=0.0, help="--compare: ignore error changes within this")
     args = parser.parse_args(argv)
@@ -330,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             raise ValueError(f"unknown level(s) {bad}; known: {list(LEVELS)}")
         selected = select(levels, args.cases)
+        if args.l4_examples < 0:
+            raise ValueError(f"--l4-examples must be >= 0, got {args.l4_examples}")
         kernel, note = resolve_kernel(args.kernel)
     except (ValueError, KernelMissing) as exc:
         print(f"sweep: {exc}", file=sys.stderr)
@@ -359,8 +375,10 @@ def _sweep(
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
     interrupted = False
-    total = len(selected) * len(implementations)
+    l4 = args.l4_examples > 0 or bool(args.l4_replay)
+    total = (len(selected) + int(l4)) * len(implementations)
     named = bool(args.implementation)
+    l4_rows: list[dict[str, Any]] = []
     with tqdm(total=total, unit="case", file=sys.stdout, dynamic_ncols=True) as bar, _quiet(log):
         runner = Runner(kernel=kernel, log=log, pages=ThreadPoolExecutor(1, thread_name_prefix="hpkit-page"))
         try:
@@ -404,6 +422,12 @@ def _sweep(
                         rows.append(row)
                         bar.write(case_line(row))
                         bar.update(1)
+                    if l4:
+                        bar.set_description(f"{name + ' ' if named else ''}L4")
+                        row = run_l4(out_dir, cluster, spec, name, args.l4_examples, args.l4_replay, runner, run_dir)
+                        l4_rows.append(row)
+                        bar.write(f"{row['status']:<11} L4 generalization  {row['summary']}")
+                        bar.update(1)
             bar.set_description("pages")
             runner.finish()
         except KeyboardInterrupt:  # the clusters are stopped by now; keep what finished
@@ -413,9 +437,11 @@ def _sweep(
             fallback = runner.close()
     if fallback:
         print(f"kernels were started the ordinary way after the zygote failed: {fallback}")
-    index = write_index(rows, run_dir, time.monotonic() - started, implementations, kernel)
+    index = write_index(rows, run_dir, time.monotonic() - started, implementations, kernel, l4_rows)
     failed = [
-        f"{r['implementation'] + '/' if r.get('implementation') else ''}{r['id']}" for r in rows if not r["passed"]
+        f"{r['implementation'] + '/' if r.get('implementation') else ''}{r['id']}"
+        for r in rows + l4_rows
+        if not r["passed"]
     ]
     print(f"{len(rows) - len(failed)}/{len(rows)} cases passed; evidence: {index}")
     print(overhead_report(rows))

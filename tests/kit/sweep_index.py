@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.kit.evidence import KERNEL, STATUS_COLOURS, kit_state, status_badge
+from tests.kit.sweep_l4 import l4_section
 from tests.kit.tolerances import PRECISION_MATRIX
 
 
@@ -111,6 +112,7 @@ def write_index(
     seconds: float,
     implementations: dict[str, str] | None = None,
     kernel: str = KERNEL,
+    l4_rows: list[dict[str, Any]] | None = None,
 ) -> Path:
     """index.html (provenance, the precision matrix with measured worst errors, one line per case)
     and results.json in ``out_dir``; ``kernel``: what the notebooks ran on."""
@@ -154,10 +156,10 @@ Jupyter kernel <code>{html.escape(kernel)}</code>.</p>
 <p>Errors are the worst absolute error over every rank, step and check of that kind (loss checks; grad-norm
 and element-wise grad checks); tolerances come from the precision matrix (tests/kit/tolerances.py). Each
 case links its page (the executed notebook with its plots) and the executed notebook itself (ipynb).</p>
-{"".join(sections)}</body></html>"""
+{"".join(sections)}{l4_section(l4_rows or [])}</body></html>"""
     index = out_dir / "index.html"
     index.write_text(page, encoding="utf-8")
-    (out_dir / "results.json").write_text(json.dumps({"run": run, "cases": rows}, indent=1))
+    (out_dir / "results.json").write_text(json.dumps({"run": run, "cases": rows, "l4": l4_rows or []}, indent=1))
     return index
 
 

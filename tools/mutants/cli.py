@@ -50,7 +50,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "cases and the engine tests against each, and write a kill matrix (HTML and JSON).",
     )
     parser.add_argument("--only", help="mutant ids: 03,07 or 10-12 (default: all)")
-    parser.add_argument("--suite", choices=("cases", "engine", "both"), default="both", help="default: both")
+    parser.add_argument(
+        "--suite",
+        choices=("cases", "engine", "both", "l4"),
+        default="both",
+        help="default: both (cases and engine); l4: the generalization explorer alone (HPKIT_L4_EXAMPLES)",
+    )
     parser.add_argument("--cases", help="plan cases to run, ids or plan names: L1-03,L0-06 (default: all)")
     parser.add_argument("--engine-k", default="", help="pytest -k expression selecting engine tests")
     parser.add_argument(

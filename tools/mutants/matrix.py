@@ -151,6 +151,8 @@ def build(
         scores["engine"] = score(mutants, results, ("engine",))
     if "cases" in suites and "engine" in suites:
         scores["cases_and_engine"] = score(mutants, results, ("cases", "engine"))
+    if "l4" in suites:
+        scores["l4"] = score(mutants, results, ("l4",))
     return {
         "meta": dict(meta),
         "suites": list(suites),

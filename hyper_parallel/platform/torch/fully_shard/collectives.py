@@ -62,6 +62,19 @@ class AllGather:
     fused: bool
     done: bool = False
     keepers: list[Any] = field(default_factory=list)  # version keepers of params gathered in place
+    # each param's shard version when its shard was read (at issue): an optimizer step between the
+    # issue and the wait leaves the gathered copy stale, and the next unshard must see that (a
+    # backward prefetch of a group whose backward is done waits through the step: found by L4)
+    versions: list[tuple[int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.versions:
+            self.versions = [param.shard_version() for param in self.params]
+
+    @property
+    def is_stale(self) -> bool:
+        """A shard changed since this gather read it."""
+        return any(param.shard_version() != version for param, version in zip(self.params, self.versions, strict=True))
 
     def wait(self) -> None:
         if self.done:
@@ -76,8 +89,8 @@ class AllGather:
             for param, out in zip(self.params, self.outputs, strict=True):
                 if out is not None:
                     param.copy_gathered_out(out.view(param.world, -1))
-        for param in self.params:
-            param.note_gathered()
+        for param, version in zip(self.params, self.versions, strict=True):
+            param.note_gathered(version)
         self.done = True
 
     def _copy_out_fused(self) -> None:

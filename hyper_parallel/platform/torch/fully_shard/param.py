@@ -222,18 +222,19 @@ class HSDPParam:
         if not self.aliases_shard:
             _free_storage(self.unsharded_local)
 
-    def _shard_version(self) -> tuple[int, int]:
-        # In-place ops through the DTensor (optimizers, loads) bump the DTensor's counter only;
-        # ops on the local tensor bump the local one: watch both.
+    def shard_version(self) -> tuple[int, int]:
+        """The shard's version now. In-place ops through the DTensor (optimizers, loads) bump the
+        DTensor's counter only; ops on the local tensor bump the local one: watch both."""
         return self.sharded_param._version, self.local_shard._version
 
-    def note_gathered(self) -> None:
-        """Remember the shard's version, to notice an optimizer step made the copy stale."""
-        self._gathered_version = self._shard_version()
+    def note_gathered(self, version: tuple[int, int] | None = None) -> None:
+        """Remember the shard's version the unsharded copy was made from (``version``: when its
+        shard was read; default now), to notice an optimizer step made the copy stale."""
+        self._gathered_version = self.shard_version() if version is None else version
 
     @property
     def is_stale(self) -> bool:
-        return not self.aliases_shard and self._shard_version() != self._gathered_version
+        return not self.aliases_shard and self.shard_version() != self._gathered_version
 
     def hidden_writes(self) -> torch.autograd._unsafe_preserve_version_counter:
         """Refilling the unsharded param restores data autograd saved, it is not a mutation:

@@ -56,7 +56,10 @@ class HSDPParamGroup:
 
     # -- unshard / reshard --------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
-        """Start gathering the full params; idempotent while unsharding or unsharded."""
+        """Start gathering the full params; idempotent while unsharding or unsharded, unless the
+        shards changed since they were read (an optimizer step): then the copy is gathered again."""
+        if self.state is ShardedState.UNSHARDING and self._all_gather.is_stale:
+            self.wait_for_unshard()  # issued before the shards changed: finish it, then redo it
         if self.state is ShardedState.UNSHARDED and self.is_stale:
             self.reshard()
         if self.state is not ShardedState.SHARDED:

@@ -21,13 +21,14 @@ the group is kept unsharded for the backward that follows.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 from enum import Enum, auto
 from typing import Any
 
 import torch
 from torch.autograd import Variable
-from torch.utils import _pytree as pytree
 
 from hyper_parallel.core.fully_shard.utils import MixedPrecisionPolicy
 
@@ -114,6 +115,32 @@ def _inside_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it: inside tuples (named ones too), lists,
+    dicts and dataclass instances, the containers a forward's inputs and outputs come in. torch's
+    pytree alone does not open a dataclass, and a tensor missed there would miss its cast and its
+    pre-backward hook (found by L4: a model returning a dataclass got no grads)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: _map_tensors(fn, getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map_tensors(fn, item) for item in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(fn, item) for item in obj)
+    if isinstance(obj, dict):
+        return type(obj)((key, _map_tensors(fn, value)) for key, value in obj.items())
+    return obj
+
+
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in ``obj``, in the order ``_map_tensors`` visits them."""
+    found: list[torch.Tensor] = []
+    _map_tensors(lambda t: found.append(t) or t, obj)
+    return found
+
+
 def _cast_floating(obj: Any, dtype: torch.dtype | None) -> Any:
     if dtype is None:
         return obj
@@ -121,7 +148,7 @@ def _cast_floating(obj: Any, dtype: torch.dtype | None) -> Any:
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
-    return pytree.tree_map_only(torch.Tensor, cast, obj)
+    return _map_tensors(cast, obj)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -222,14 +249,11 @@ class HSDPState:
         return args, kwargs
 
     def _attach_post_backward(self, inputs: Any) -> Any:
-        leaves, spec = pytree.tree_flatten(inputs)
-        needs_grad = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        needs_grad = [t for t in _tensors_in(inputs) if t.requires_grad]
         if not needs_grad:
             return inputs
-        wrapped = _PostBackward.apply(self, *(leaves[i] for i in needs_grad))
-        for i, tensor in zip(needs_grad, wrapped, strict=True):
-            leaves[i] = tensor
-        return pytree.tree_unflatten(leaves, spec)
+        wrapped = iter(_PostBackward.apply(self, *needs_grad))  # one node: it fires once all are done
+        return _map_tensors(lambda t: next(wrapped) if t.requires_grad else t, inputs)
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         recomputing = self.training_state is TrainingState.PRE_BACKWARD or _inside_backward()
@@ -241,8 +265,8 @@ class HSDPState:
                 ITERATION.forward_order[self] = ITERATION.forward_order.get(self, 0) + 1
         output = _cast_floating(output, self.mp_policy.output_dtype)
         if torch.is_grad_enabled():
-            for tensor in pytree.tree_leaves(output):
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            for tensor in _tensors_in(output):
+                if tensor.requires_grad:
                     tensor.register_hook(self._pre_backward)
         return output
 

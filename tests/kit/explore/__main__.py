@@ -1,0 +1,134 @@
+"""``python -m tests.kit.explore``: draw configurations of the whole API, run each on a cluster of
+torch ranks against what the API promises, shrink a failure to its smallest configuration.
+
+    python -m tests.kit.explore --examples 300 --seed 0               # ours, world sizes 1..4
+    python -m tests.kit.explore --examples 100 --max-world 8           # up to 8 ranks (8 engines)
+    python -m tests.kit.explore --implementation torch --examples 300  # torch FSDP2 behind its adapter
+    python -m tests.kit.explore --replay 1a2b3c4d5e                    # a saved failure (or a .json path)
+
+Exits 1 when a configuration fails (its minimal form is printed as JSON and saved under
+``runs/l4/``), 0 otherwise; ``--profile deep`` keeps Hypothesis' example database under
+``runs/l4/db`` so a failure found once is tried first next time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+
+from tests.kit.explore.runner import (
+    ExampleResult,
+    coverage_rows,
+    explore,
+    features_of,
+    load,
+    run_config,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tests.kit.explore", description=__doc__.splitlines()[0])
+    parser.add_argument("--examples", type=int, default=100, help="configurations to draw (default 100)")
+    parser.add_argument("--seed", type=int, default=0, help="Hypothesis seed: the same draws everywhere (default 0)")
+    parser.add_argument("--max-world", type=int, default=4, help="largest world size drawn, 1..8 (default 4)")
+    parser.add_argument("--implementation", default="", help="spec of the implementation under test ('' = ours)")
+    parser.add_argument("--budget", type=float, default=0.0, help="stop drawing after this many seconds (0: none)")
+    parser.add_argument("--profile", choices=("ci", "deep"), default="ci", help="Hypothesis settings profile")
+    parser.add_argument("--replay", default="", help="run one saved configuration: its id or a .json path")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad arguments in one line, before any cluster starts."""
+    if args.examples < 1:
+        raise SystemExit(f"--examples must be >= 1, got {args.examples}")
+    if not 1 <= args.max_world <= 8:
+        raise SystemExit(f"--max-world must be in 1..8, got {args.max_world}")
+    if args.budget < 0:
+        raise SystemExit(f"--budget must be >= 0 seconds, got {args.budget}")
+    if args.replay:
+        try:
+            load(args.replay)
+        except (FileNotFoundError, ValueError, KeyError) as exc:
+            raise SystemExit(f"--replay: {exc}") from None
+    if args.implementation:
+        from tests.kit.surface import parse_spec
+
+        try:
+            parse_spec(args.implementation)
+        except ValueError as exc:
+            raise SystemExit(f"--implementation: {exc}") from None
+
+
+def _progress(total: int, quiet: bool):
+    """A progress bar over the drawn configurations; shrinking runs shown in its postfix."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="config", disable=quiet, file=sys.stderr, dynamic_ncols=True)
+    state = Counter()
+
+    def on_example(result: ExampleResult, shrinking: bool) -> None:
+        if shrinking:
+            state["shrinking runs"] += 1
+        else:
+            bar.update(1)
+            state["failed"] += 0 if result.passed else 1
+        bar.set_postfix(world=result.config.world, **state, refresh=False)
+
+    return bar, on_example
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _check_arguments(args)
+    os.environ.setdefault("IPP_NONINTERACTIVE", "1")
+    from tests.kit.cluster import RankCluster
+
+    engines = load(args.replay).world if args.replay else args.max_world
+    with RankCluster.start(max(2, engines), implementation=args.implementation or None) as cluster:
+        if args.replay:
+            result = run_config(cluster, load(args.replay))
+            print(f"replay {args.replay}: {'PASS' if result.passed else 'FAIL'} ({result.checks} checks)")
+            if not result.passed:
+                print(result.failure)
+            return 0 if result.passed else 1
+        features = features_of(cluster)
+        bar, on_example = _progress(args.examples, args.quiet)
+        started = time.monotonic()
+        found = explore(
+            cluster,
+            features,
+            examples=args.examples,
+            seed=args.seed,
+            max_world=args.max_world,
+            budget_s=args.budget,
+            profile=args.profile,
+            on_example=on_example,
+        )
+        bar.close()
+    print(found.summary())
+    print(f"implementation {args.implementation or '(ours)'}; features drawn from: {', '.join(sorted(features))}")
+    print(_coverage_table(found.coverage, found.drawn))
+    if found.minimal is not None:
+        print("minimal failing configuration (replay: python -m tests.kit.explore --replay " + found.minimal.id + "):")
+        print(json.dumps(json.loads(found.minimal.config.to_json()), indent=1, sort_keys=True))
+    print(f"{time.monotonic() - started:.0f} s")
+    return 0 if found.passed else 1
+
+
+def _coverage_table(coverage: Counter, drawn: int) -> str:
+    """What came up, as text: option, value, configurations."""
+    rows = coverage_rows(coverage)
+    width = max((len(f"{o} = {v}") for o, v, _ in rows), default=10)
+    lines = [f"what the {drawn} drawn configurations used:"]
+    lines += [f"  {f'{o} = {v}'.ljust(width)}  {n}" for o, v, n in rows]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

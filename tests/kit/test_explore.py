@@ -1,0 +1,116 @@
+"""L4, the generalization explorer (``tests.kit.explore``): the space draws only what an
+implementation declares, configurations survive JSON, shrinking reaches a small configuration,
+and the committed regressions (minimal configurations L4 once found failing) pass on our engine.
+The fixed, derandomised CI budget itself is the L4 notebook, which nbval runs in ``make test``.
+
+``pytest tests/kit/test_explore.py --replay ID_OR_PATH`` replays saved configurations as well.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.kit.explore.runner import REGRESSIONS, explore, load, run_config
+from tests.kit.explore.space import Config, configs
+from tests.kit.surface import FEATURES
+
+ALL = frozenset(FEATURES)
+REGRESSION_FILES = sorted(REGRESSIONS.glob("*.json"))
+
+
+@settings(max_examples=200, deadline=None, database=None, derandomize=True)
+@given(st.data())
+def test_only_declared_features_are_drawn_and_configurations_survive_json(data):
+    declared = frozenset(data.draw(st.sets(st.sampled_from(sorted(ALL - {"fully_shard"})))) | {"fully_shard"})
+    config = data.draw(configs(declared, max_world=8))
+    assert config.features() <= declared, sorted(config.features() - declared)
+    assert Config.from_json(config.to_json()) == config
+    assert 1 <= config.world <= 8 and (config.mesh == [config.world] or config.mesh[0] * config.mesh[1] == config.world)
+
+
+@settings(max_examples=100, deadline=None, database=None, derandomize=True)
+@given(configs(ALL, max_world=4))
+def test_the_grammar_builds_every_configuration_and_it_trains_unsharded(config):
+    from tests.kit.explore.grammar import batch, build, loss_of
+
+    model = build(config)
+    args, kwargs = batch(config, 0, 0, 0)
+    loss = loss_of(model(*args, **kwargs))
+    loss.backward()
+    assert model.gain.grad is not None  # the root's own param always has a path to the loss
+
+
+class _FakeCluster:
+    """Stands in for the cluster: a configuration 'fails' when it has more than one step and a
+    sharded child, to show that shrinking reaches the smallest such configuration."""
+
+    n_engines = 4
+
+    def run(self, fn, world, config_json, timeout):
+        config = Config.from_json(config_json)
+        bad = len(config.steps) > 1 and len(config.groups) > 1
+        check = {
+            "name": "made-up property",
+            "rank": 0,
+            "measured": 1.0,
+            "reference": 0.0,
+            "tol": None,
+            "passed": not bad,
+            "error": None,
+            "extra": None,
+            "kind": "true",
+        }
+        return [{"checks": [check], "series": {}, "figures": {}, "notes": []}] * world
+
+
+def test_a_failure_is_shrunk_to_a_minimal_configuration_and_saved(tmp_path):
+    found = explore(_FakeCluster(), ALL, examples=200, seed=1, max_world=4, save_dir=tmp_path)
+    assert not found.passed and found.saved is not None and found.saved.exists()
+    size = found.minimal.config.size()
+    assert size["steps"] == 2 and size["groups"] == 2 and size["world"] == 1, size
+    assert size["leaves"] == 1 and size["micro-batches"] == 2, size
+    saved = json.loads(found.saved.read_text())
+    assert Config.from_json(saved["config"]) == found.minimal.config
+    assert load(found.saved) == found.minimal.config
+
+
+def _replayed(request) -> list[Path | str]:
+    return [*REGRESSION_FILES, *(request.config.getoption("--replay") or [])]
+
+
+def test_regressions_and_replays_pass(request, cluster):
+    """Each committed regression (a configuration L4 found failing, now fixed) and each --replay."""
+    targets = _replayed(request)
+    assert REGRESSION_FILES, "no committed L4 regression under tests/kit/explore/regressions/"
+    failed = []
+    for target in targets:
+        result = run_config(cluster, load(target))
+        if not result.passed:
+            failed.append(f"{target}: {result.failure}")
+    assert not failed, "\n".join(failed)
+
+
+def test_the_explorer_finds_nothing_within_its_budget(cluster, tmp_path):
+    """Another seed than the notebook's, on a budget of ``HPKIT_L4_EXAMPLES`` configurations
+    (default 8: a smoke run beside the notebook's; the mutation harness gives it more)."""
+    from tests.kit.explore.runner import features_of
+
+    examples = int(os.environ.get("HPKIT_L4_EXAMPLES", "8"))
+    found = explore(cluster, features_of(cluster), examples=examples, seed=1, max_world=4, save_dir=tmp_path)
+    assert found.passed, found.summary() + "\n" + found.minimal.config.to_json()
+
+
+@pytest.mark.parametrize("bad", [{"--examples": "0"}, {"--max-world": "9"}, {"--replay": "nonexistent-id"}])
+def test_the_command_refuses_bad_arguments_in_one_line(bad, capsys):
+    from tests.kit.explore.__main__ import main
+
+    argv = [part for item in bad.items() for part in item]
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert str(stop.value).startswith(next(iter(bad))), stop.value
