@@ -50,6 +50,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
+from tests.kit import devices  # noqa: E402
 from tests.kit.memory import peak_memory  # noqa: E402
 from tests.kit.networks import LLM_SEQ, cross_entropy_loss, llm_decoder, token_batch  # noqa: E402
 from tests.kit.recorder import record_collectives  # noqa: E402
@@ -104,13 +105,13 @@ class Trainer:
 
     def timed_step(self, batch: Batch, device: torch.device) -> None:
         """A step between barriers, its wall and process CPU time recorded."""
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if devices.has_allocator(device):
+            torch.accelerator.synchronize(device)
         dist.barrier()
         wall, cpu = time.perf_counter(), time.process_time()
         self.step(batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if devices.has_allocator(device):
+            torch.accelerator.synchronize(device)
         self.wall.append(time.perf_counter() - wall)
         self.cpu.append(time.process_time() - cpu)
 
@@ -222,10 +223,8 @@ def report(result: dict[str, Any], atol: float) -> None:
         a, b = ours[key] / unit, fsdp2[key] / unit
         print(f"  {label:<42}{a:>8.2f} {suffix:<3}{b:>8.2f} {suffix:<3}{a / b if b else float('nan'):>12.3f}")
     low = result["wire_min_bytes"]
-    print(
-        f"  {'wire minimum (W-1)/W (3P - P_root)':<42}{low / mib:>8.2f} MiB   wire / minimum: ours "
-        f"{ours['wire_bytes'] / low:.3f}, FSDP2 {fsdp2['wire_bytes'] / low:.3f}"
-    )
+    ratios = f"ours {ours['wire_bytes'] / low:.3f}, FSDP2 {fsdp2['wire_bytes'] / low:.3f}" if low else "n/a (one rank)"
+    print(f"  {'wire minimum (W-1)/W (3P - P_root)':<42}{low / mib:>8.2f} MiB   wire / minimum: {ratios}")
     for name, e in (("ours", ours), ("FSDP2", fsdp2)):
         calls = ", ".join(f"{op} x{n}" for op, n in sorted(e["collectives"].items()))
         print(
@@ -256,14 +255,14 @@ def main() -> int:
     if not set(models) <= set(WORKLOADS):
         parser.error(f"--models must be among {sorted(WORKLOADS)}")
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    device_type, backend = devices.choose(None, local)  # the accelerator torch reports, else the CPU
+    devices.bind(device_type, int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
     world = dist.get_world_size()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    else:
+    if device_type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = devices.compute_device()
     mesh = load(parse_spec(ENGINES["ours"])).init_mesh(device.type, (world,), ("dp",))
     atol = tolerance("FSDP 1D fp32").loss
 

@@ -95,3 +95,10 @@ def die_on_rank(how: str, bad_rank: int = 1) -> float:
     t = torch.ones(1)
     dist.all_reduce(t)
     return t.item()
+
+
+def last_run() -> dict:
+    """This engine's record of its last run (rank, backend, device, host-local index, ...)."""
+    from tests.kit.rank_runtime import _user_ns
+
+    return _user_ns()["_last_run"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tests.kit.devices import compute_device
 from tests.kit.networks import (
     MOE_SEQ,
     cross_entropy_loss,
@@ -17,10 +18,8 @@ from tests.kit.networks import (
 
 
 def _device() -> torch.device:
-    """This rank's compute device: its GPU under nccl, else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """This rank's compute device (``tests.kit.devices``)."""
+    return compute_device()
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

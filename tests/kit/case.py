@@ -49,7 +49,7 @@ class Case:
     body: Callable[[CaseContext], None]
     needs: tuple[str, ...] = ("fully_shard",)
     timeout: float = 120.0
-    backend: str | None = None  # None: gloo on CPU, nccl where CUDA exists
+    backend: str | None = None  # None: the accelerator's backend where there is one, else gloo (tests.kit.devices)
 
     @property
     def level(self) -> str:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from tests.kit.devices import compute_device
 from tests.kit.surface import impl
 from tests.kit.tolerances import Tolerance, tolerance
 
@@ -56,8 +57,8 @@ def as_number(value: Any) -> float | str:
 
 
 def device_type() -> str:
-    """The device type of the process group's backend (cuda with nccl, else cpu)."""
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    """The device type this rank computes on (``tests.kit.devices``: its accelerator, or the CPU)."""
+    return compute_device().type
 
 
 @dataclass

@@ -134,11 +134,12 @@ class RankCluster:
         profile: str | None = None,
         startup_timeout: float = 60,
         implementation: str | None = None,
-        engine_env: dict[str, str] | None = None,
+        engine_env: dict[str, str] | Callable[[int], dict[str, str]] | None = None,
     ) -> RankCluster:
         """Start a controller and n_engines local engines (engine i = rank i); bounded by startup_timeout.
         ``engine_env``: variables the engines start with besides this process's (``ATEN_CPU_CAPABILITY``,
-        read when torch is imported, must be there from the start)."""
+        read when torch is imported, must be there from the start), or a function of the rank giving
+        each engine its own (``HPKIT_NODE``: engines standing in for several machines)."""
         if n_engines < 1:
             raise ValueError(f"n_engines must be >= 1, got {n_engines}")
         ipp = _ipp()
@@ -165,14 +166,17 @@ class RankCluster:
         watchdog = start_watchdog(token, leftovers)
         rc = None
         try:
-            env = {**(engine_env or {}), OWNER_ENV: token, "IPP_NONINTERACTIVE": "1", "PYTHONUNBUFFERED": "1"}
+            env = {OWNER_ENV: token, "IPP_NONINTERACTIVE": "1", "PYTHONUNBUFFERED": "1"}
+            if isinstance(engine_env, dict):
+                env.update(engine_env)
             if sys.platform.startswith("linux"):
                 env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")  # local ranks
             cluster.start_controller_sync(environment=dict(env))
+            per_rank = engine_env if callable(engine_env) else None
             for r in range(n_engines):  # launch first: engines start while the client connects
-                launch_engine(cluster, r, env)
+                launch_engine(cluster, r, {**env, **(per_rank(r) if per_rank else {})})
             client = cluster.connect_client_sync()
-            pool = EnginePool(client, cluster, stack_dir, env, startup_timeout, implementation)
+            pool = EnginePool(client, cluster, stack_dir, env, startup_timeout, implementation, per_rank)
             rc = cls(pool, token=token, watchdog=watchdog, own_stack_dir=True)
             rc.leftover_globs = leftovers
             pool.launch_and_boot(list(range(n_engines)), launched=True)
@@ -293,6 +297,7 @@ class RankCluster:
                 "prefix": f"hpkit/{os.getpid()}/{id(self):x}/{self._run_seq}",
                 "backend": backend,
                 "timeout": float(timeout),
+                "hosts": [self.pool.engines[r].node for r in ranks],  # ranks bind by host-local index
             }
             marks = {r: self.pool.stack_size(r) for r in ranks}
             views = self.pool.views

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ class Engine:
     main_thread: int
     implementation: str = ""
     proc: psutil.Process | None = field(default=None, repr=False)  # None if not on this host
+    node: str = ""  # the machine it reports for device binding (HPKIT_NODE, else its host name)
 
 
 def process(pid: int) -> psutil.Process | None:
@@ -87,16 +88,23 @@ class EnginePool:
         env: dict[str, str],
         startup_timeout: float,
         implementation: str | None,
+        rank_env: Callable[[int], dict[str, str]] | None = None,
     ) -> None:
-        """``cluster`` is the ipyparallel Cluster this driver started (None when joined)."""
+        """``cluster`` is the ipyparallel Cluster this driver started (None when joined);
+        ``rank_env(rank)``: what one rank's engine starts with besides ``env`` (restarts too)."""
         self.client = client
         self.cluster = cluster
         self.stack_dir = stack_dir
         self.env = env
+        self.rank_env = rank_env
         self.startup_timeout = startup_timeout
         self.implementation = implementation
         self.engines: dict[int, Engine] = {}
         self.views: dict[int, Any] = {}
+
+    def env_of(self, rank: int) -> dict[str, str]:
+        """The environment the engine of ``rank`` starts with."""
+        return {**self.env, **(self.rank_env(rank) if self.rank_env else {})}
 
     # ---------------------------------------------------------------- boot
     def launch_and_boot(self, ranks: list[int], launched: bool = False) -> None:
@@ -105,7 +113,7 @@ class EnginePool:
         if launched:
             pids = {r: engine_set_pid(self.cluster, r) for r in ranks}
         else:
-            pids = {r: launch_engine(self.cluster, r, self.env) for r in ranks}
+            pids = {r: launch_engine(self.cluster, r, self.env_of(r)) for r in ranks}
         in_use = {eng.eid for r, eng in self.engines.items() if r not in ranks}
         mapping = self._await_engines(pids, in_use, deadline)
         self.boot(mapping, deadline=deadline)
@@ -170,6 +178,7 @@ class EnginePool:
                 main_thread=info["main_thread"],
                 implementation=info["implementation"],
                 proc=proc,
+                node=info.get("node") or info["host"],
             )
             view = self.client[mapping[r]]
             view.block = False

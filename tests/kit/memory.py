@@ -1,6 +1,6 @@
 """Per-rank memory probe of a block, two measures on any device:
 
-- ``peak``: the peak bytes of live tensors. CUDA: the allocator's ``max_memory_allocated``. CPU: a
+- ``peak``: the peak bytes of live tensors. An accelerator: its allocator's peak (``tests.kit.devices``). CPU: a
   dispatcher-level tracker (a ``TorchDispatchMode``) of the storages of ``holding`` (modules: params,
   grads, buffers; optimizers: their state), counted from the start, and of every storage the block's
   ops create or touch, counted from then on; each at its current size while it is alive, so
@@ -9,7 +9,7 @@
   current size (a param storage freed by resharding after forward counts 0 until re-gathered).
 
 ``bytes`` is the measure the plan's cases compare (L2-04, "peak memory"): the allocator's peak above
-the start on CUDA, the peak of live storages (``peak``) on CPU; both count the recomputation, the
+the start on an accelerator, the peak of live storages (``peak``) on CPU; both count the recomputation, the
 unsharded params and the grads, not only what autograd saves. Both drop under activation
 checkpointing, and so does ``saved_bytes``.
 """
@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from tests.kit.devices import allocator_peak, allocator_start, has_allocator
 from tests.kit.surface import impl
 
 
@@ -34,7 +35,7 @@ from tests.kit.surface import impl
 class MemoryPeak:
     """Filled in when the ``peak_memory`` block ends."""
 
-    bytes: int = 0  # the plan's measure: CUDA allocator peak above the start; CPU: peak of live storages
+    bytes: int = 0  # the plan's measure: the accelerator's allocator peak above the start; CPU: live storages
     what: str = ""
     peak: int = 0  # peak bytes of live tensors (see the module docstring)
     saved_bytes: int = 0  # peak bytes held for backward
@@ -203,12 +204,10 @@ def peak_memory(device: torch.device | str = "cpu", holding: Iterable[Any] = ())
         storage = _storage(tensor)
         if storage is not None:
             counter.see(storage)
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    tracker = _LiveStorages(counter) if not cuda else None
+    accelerator = has_allocator(device)
+    if accelerator:
+        base = allocator_start(device)
+    tracker = _LiveStorages(counter) if not accelerator else None
     try:
         with _counting_resizes(counter), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
             if tracker is None:
@@ -219,11 +218,10 @@ def peak_memory(device: torch.device | str = "cpu", holding: Iterable[Any] = ())
     finally:
         counter.close()
     result.saved_bytes = counter.saved_peak
-    if cuda:
-        torch.cuda.synchronize(device)
-        result.peak = torch.cuda.max_memory_allocated(device)
+    if accelerator:
+        result.peak = allocator_peak(device)
         result.bytes = result.peak - base
-        result.what = "CUDA allocator peak above the start"
+        result.what = f"{device.type} allocator peak above the start"
     else:
         result.peak = counter.peak
         result.bytes = counter.peak

@@ -26,6 +26,7 @@ from datetime import timedelta
 from typing import Any
 
 IMPLEMENTATION_ENV = "HPKIT_IMPLEMENTATION"  # the implementation under test (see tests.kit.surface)
+NODE_ENV = "HPKIT_NODE"  # the machine an engine says it is on, for device binding
 
 _ENGINE_STATE: dict[str, Any] = {}
 
@@ -101,6 +102,9 @@ def engine_boot(
     return {
         "pid": os.getpid(),
         "host": socket.gethostname(),
+        # the machine for device binding: ranks of one node bind to its devices in rank order
+        # (HPKIT_NODE stands in for another machine in tests; a real cluster leaves it unset)
+        "node": os.environ.get(NODE_ENV) or socket.gethostname(),
         "stack_path": path,
         "main_thread": threading.main_thread().ident,
         "implementation": os.environ.get(IMPLEMENTATION_ENV, ""),
@@ -121,26 +125,23 @@ def _resolve_fn(ref: tuple[str, str]) -> Callable:
     return obj
 
 
-def _choose_backend(requested: str | None, world_size: int) -> str:
-    """nccl when the engine sees a GPU per rank (one GPU shared by two ranks is an nccl error), else gloo."""
-    import torch
+def _choose_backend(requested: str | None, world_size: int, local_ranks: int | None = None) -> str:
+    """The backend of a run's rank (``tests.kit.devices.choose``): the accelerator's where this host
+    has a device for each of its ranks, else gloo."""
+    from tests.kit.devices import choose
 
-    if requested:
-        return requested
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+    return choose(requested, local_ranks or world_size)[1]
 
 
 def _wait_until_every_rank_joined(backend: str) -> None:
     """Barrier right after joining: a rank whose fn ends at once (an UNSUPPORTED refusal, a bad
     argument) would otherwise tear the group down while a slower peer is still inside gloo's
     connectFullMesh, and that peer fails with "Connection closed by peer" instead of its own verdict."""
-    import torch
     import torch.distributed as dist
 
-    if backend == "nccl" and torch.cuda.is_available():
-        dist.barrier(device_ids=[torch.cuda.current_device()])
-    else:
-        dist.barrier()
+    from tests.kit.devices import barrier_args
+
+    dist.barrier(**barrier_args(backend))
 
 
 THREADS_ENV = "HPKIT_RANK_THREADS"  # torch threads per rank; unset: the cores shared by the ranks
@@ -191,21 +192,27 @@ def rank_entry(rank: int, spec: dict, fn_obj: Callable | None, args: tuple, kwar
     ns.pop("_last_result", None)
     ns["_last_error"] = ns["_last_traceback"] = None
     ns["_rank"] = rank
+    from tests.kit.devices import bind, choose, deterministic, host_local_indices
+
     torch.set_num_threads(threads_per_rank(world_size))
-    backend = _choose_backend(spec["backend"], world_size)
+    hosts = spec.get("hosts") or ["localhost"] * world_size  # each rank's host, from the driver
+    local_index = host_local_indices(hosts)[rank]
+    device_type, backend = choose(spec["backend"], hosts.count(hosts[rank]))
     ns["_last_run"] = {
         "fn": spec["fn_name"],
         "rank": rank,
         "world_size": world_size,
         "backend": backend,
+        "device": device_type,
+        "local_index": local_index,
         "run": spec["prefix"],
     }
     if dist.is_initialized():  # left over from an interrupted run
         dist.destroy_process_group()
     timeout = timedelta(seconds=spec["timeout"])
     try:
-        if backend == "nccl" and torch.cuda.device_count():
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        bind(device_type, local_index)  # before the process group exists
+        ns["_last_run"]["determinism"] = deterministic(device_type)
         store = _store_client(spec, timeout)
         dist.init_process_group(
             backend, store=dist.PrefixStore(spec["prefix"], store), rank=rank, world_size=world_size, timeout=timeout

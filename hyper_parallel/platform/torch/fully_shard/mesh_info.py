@@ -9,6 +9,8 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate
 
+from ..device import current_device, default_device_type
+
 
 @dataclass(frozen=True)
 class MeshInfo:
@@ -31,11 +33,10 @@ class MeshInfo:
 
 
 def default_mesh() -> DeviceMesh:
-    """A 1-D mesh over the whole world on the default device type (cuda when present)."""
+    """A 1-D mesh over the whole world on the default device type (the accelerator when present)."""
     if not torch.distributed.is_initialized():
         raise RuntimeError("fully_shard(mesh=None) needs torch.distributed to be initialized")
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+    return init_device_mesh(default_device_type(), (torch.distributed.get_world_size(),))
 
 
 def mesh_info_of(mesh: DeviceMesh) -> MeshInfo:
@@ -54,7 +55,4 @@ def mesh_info_of(mesh: DeviceMesh) -> MeshInfo:
 
 def device_of(mesh: DeviceMesh) -> torch.device:
     """The compute device this rank uses for a mesh of the given device type."""
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    module = getattr(torch, mesh.device_type)
-    return torch.device(mesh.device_type, module.current_device())
+    return current_device(mesh.device_type)
