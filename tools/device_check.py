@@ -166,9 +166,8 @@ def main() -> int:
     dist.init_process_group(backend)
     device = devices.compute_device()
     settings = devices.deterministic(device_type)
-    print(
-        f"device check: {device} ({accelerator or 'no accelerator: the CPU'}), backend {backend}, torch {torch.__version__}"
-    )
+    where = accelerator or "no accelerator: the CPU"
+    print(f"device check: {device} ({where}), backend {backend}, torch {torch.__version__}")
     mesh = impl.init_mesh(device_type, (1,), ("dp",))
     started = time.monotonic()
     for check in (policies, offload, memory):
