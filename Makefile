@@ -4,7 +4,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup sweep bench test lint notebooks mutants conformance
+.PHONY: setup sweep bench test lint notebooks mutants conformance explore device-check
 .DEFAULT_GOAL := test
 
 # torch 2.13.0 is pinned (constraints.txt): it is the CPU build on local disk.
@@ -34,6 +34,20 @@ mutants:
 
 bench:
 	$(PYTHON) benchmarks/bench_fsdp2.py
+
+# L4, the generalization explorer: EXAMPLES configurations drawn from SEED, world sizes up to
+# MAX_WORLD, against IMPLEMENTATION (a spec; empty: ours). Exits 1 with the minimal failing
+# configuration, saved under runs/l4/ (replay: python -m tests.kit.explore --replay ID).
+EXAMPLES ?= 100
+SEED ?= 0
+MAX_WORLD ?= 4
+explore: setup
+	IPP_NONINTERACTIVE=1 $(PYTHON) -m tests.kit.explore --examples $(EXAMPLES) --seed $(SEED) --max-world $(MAX_WORLD) \
+		$(if $(IMPLEMENTATION),--implementation $(IMPLEMENTATION))
+
+# On a machine with an accelerator: the engine there at world size 1, then the benchmark.
+device-check:
+	bash tools/device_check.sh
 
 lint:
 	$(PYTHON) -m ruff check .

@@ -18,7 +18,6 @@ and refusing every bad argument before any change
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -103,16 +102,19 @@ def fully_shard(
 
 
 def _set_reduce_op_type(self: fsdp.FSDPModule, reduce_op_type: str, *, recurse: bool = True) -> None:
-    """``"sum"`` / ``"avg"`` as FSDP2's gradient divide factor of every group below."""
+    """``"avg"``: FSDP2's own averaging (its default, no divide factor); ``"sum"``: a divide factor
+    of 1 with sum-only collectives (gloo has no PREMUL_SUM), on every group below (or this one).
+
+    Not a factor of the world size for "avg": torch 2.13's FSDP2 divides by a custom factor twice on
+    an HSDP mesh whose shard dim has one rank (the copy that stands in for the reduce-scatter divides,
+    and so does the post-divide after the all-reduce): found by L4, see the README."""
     if reduce_op_type not in ("sum", "avg"):
         raise ValueError(f"reduce_op_type must be 'sum' or 'avg', got {reduce_op_type!r}")
     modules = self.modules() if recurse else [self]
     for module in modules:
         if isinstance(module, fsdp.FSDPModule):
-            params = list(module.parameters(recurse=False)) or list(module.parameters())
-            world = math.prod(params[0].device_mesh.shape) if params else 1
-            module.set_gradient_divide_factor(1.0 if reduce_op_type == "sum" else float(world))
-            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(1.0 if reduce_op_type == "sum" else None)
+            module.set_force_sum_reduction_for_comms(reduce_op_type == "sum")
 
 
 class TorchFSDP2(Implementation):

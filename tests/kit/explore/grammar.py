@@ -36,7 +36,9 @@ class Leaf(nn.Module):
 
     def __init__(self, layer: Layer, width: int) -> None:
         super().__init__()
-        self.kind = layer.kind
+        # a LayerNorm over one feature outputs its bias whatever comes in: every grad before it is
+        # rounding noise amplified by 1/sqrt(eps), which no two reduction orders agree on
+        self.kind = "rmsnorm" if layer.kind == "layernorm" and width == 1 else layer.kind
         scale = INIT / width**0.5
         if layer.kind == "linear":
             self.weight = nn.Parameter(torch.empty(layer.out, width).uniform_(-scale, scale))
@@ -44,7 +46,8 @@ class Leaf(nn.Module):
             self.weight = nn.Parameter(torch.empty(layer.channels, 1, layer.kernel).uniform_(-INIT, INIT))
         else:  # the norms: a scale per feature
             self.weight = nn.Parameter(1 + torch.empty(width).uniform_(-0.1, 0.1))
-        self.bias = nn.Parameter(torch.empty(self.weight.shape[0]).uniform_(-0.1, 0.1)) if layer.bias else None
+        biased = layer.bias and self.kind != "rmsnorm"  # RMSNorm has none (a param unused is no param here)
+        self.bias = nn.Parameter(torch.empty(self.weight.shape[0]).uniform_(-0.1, 0.1)) if biased else None
         if layer.buffer:
             self.register_buffer("scale", torch.tensor(0.9))
         else:
@@ -189,9 +192,16 @@ def first_tensor(output: Any) -> torch.Tensor:
     return output
 
 
-def loss_of(output: Any) -> torch.Tensor:
-    """The loss every configuration trains: the mean square of the main output, in fp32."""
-    return first_tensor(output).float().square().mean()
+# Under half precision the loss is scaled by a power of two (exactly) so that every grad stays
+# small: the precision matrix's half-precision rows are absolute (1e-3), and one bf16 ulp of a grad
+# of 0.5 is already 2e-3, so at full scale the row could not tell a wrong reduction from rounding.
+# At 1/32 the grads stay well under 0.1, where a few ulps of bf16 are a few 1e-4.
+HALF_PRECISION_LOSS_SCALE = 1 / 32
+
+
+def loss_of(output: Any, scale: float = 1.0) -> torch.Tensor:
+    """The loss every configuration trains: the mean square of the main output, in fp32, times ``scale``."""
+    return first_tensor(output).float().square().mean() * scale
 
 
 def batch(config: Config, step: int, micro: int, rank: int) -> tuple[tuple, dict]:

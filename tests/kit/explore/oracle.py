@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from tests.kit.checks import CaseContext, PreconditionFailed
-from tests.kit.explore.grammar import Out, batch, build, first_tensor, loss_of
+from tests.kit.explore.grammar import HALF_PRECISION_LOSS_SCALE, Out, batch, build, first_tensor, loss_of
 from tests.kit.explore.space import PRECISIONS, Config, Group
 from tests.kit.layout import local_numel, shard_shape
 from tests.kit.recorder import CollectiveRecorder, record_collectives
@@ -145,6 +145,7 @@ class PromisedReference:
         self.ops = ["avg"] * len(config.groups)  # the reduce op of each call's groups
         self.all_reduce = [True] * len(config.groups)
         self._held: dict[str, torch.Tensor] = {}
+        self.got_grad: set[str] = set()  # params whose grad the last backward computed
         for group in config.groups:
             for path in group.paths:
                 module = self.compute.get_submodule(path) if path else self.compute
@@ -175,9 +176,11 @@ class PromisedReference:
         the reduce dtype and, when the implementation reduces at this backward, are reduced as
         promised and added to the fp32 master grads."""
         masters = dict(self.master.named_parameters())
+        self.got_grad = set()
         for path, param in self.compute.named_parameters():
             if param.grad is None:
                 continue
+            self.got_grad.add(path)
             grad, param.grad = param.grad, None
             plan = self.plans[path]
             master = masters[path]
@@ -217,6 +220,8 @@ class Example:
     def __init__(self, config: Config, ctx: CaseContext) -> None:
         self.config, self.ctx = config, ctx
         self.tol: Tolerance = tolerance(precision_row(config))
+        half = PRECISIONS[config.precision.name][0] != "fp32"
+        self.loss_scale = HALF_PRECISION_LOSS_SCALE if half else 1.0
         self.meshes = Meshes(ctx, config)
         self.model = build(config)
         self.plans = param_plans(config, self.model)
@@ -425,12 +430,12 @@ class Example:
         if step.state_dict_at == "between" and last:  # loaded back after backward: torch's in-place rule
             taken = self._state_dict_check(f"{where} between forward and backward")
         with record_collectives() as backward:
-            loss = loss_of(out)
+            loss = loss_of(out, self.loss_scale)
             loss.backward()
         rec = CollectiveRecorder()
         rec.calls = forward.calls + backward.calls
         ref_out = self.reference.forward(args, kwargs)
-        ref_loss = loss_of(ref_out)
+        ref_loss = loss_of(ref_out, self.loss_scale)
         ref_loss.backward()
         reduces = syncs or step.hold_with_last_backward
         self.reference.after_backward(reduces)
@@ -496,7 +501,7 @@ class Example:
             return 0
         total = 0
         for plan in self.plans.values():
-            if plan.kind != "sharded" or not plan.trainable:
+            if plan.kind != "sharded" or plan.path not in self.reference.got_grad:  # frozen, or no grad
                 continue
             size, _ = self.meshes.shard_coordinate(plan.mesh)
             if size > 1:
