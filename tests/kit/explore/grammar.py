@@ -61,10 +61,11 @@ class Leaf(nn.Module):
         b = self.bias.to(w.dtype) if self.bias is not None else None
         if self.kind == "linear":
             out = F.linear(x, w, b)
-        elif self.kind == "layernorm":
-            out = F.layer_norm(x, (x.shape[-1],), w, b)
+        elif self.kind == "layernorm":  # the statistics in fp32 (half precision overflows them), as usual
+            out = F.layer_norm(x.float(), (x.shape[-1],), w.float(), None if b is None else b.float()).to(w.dtype)
         elif self.kind == "rmsnorm":
-            out = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-5) * w
+            xf = x.float()
+            out = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-5)).to(w.dtype) * w
         else:  # conv1d over the feature axis, one input channel, averaged back over its channels
             out = F.conv1d(x.unsqueeze(1), w, b, padding=w.shape[-1] // 2).mean(1)
         return out * self.scale.to(out.dtype) if self.scale is not None else out
