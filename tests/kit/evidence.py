@@ -62,6 +62,8 @@ def rank_provenance(requested_backend: str | None, world_size: int) -> dict[str,
         **current().origin,
         "torch": torch.__version__,
         "backend": backend,
+        "device": last.get("device"),  # the device type the case's ranks computed on
+        "determinism": last.get("determinism"),  # tests.kit.devices.deterministic: the settings in force
         "host": socket.gethostname(),
         "python": platform.python_version(),
         "pid": os.getpid(),
@@ -99,7 +101,7 @@ def provenance_text(origin: dict[str, Any]) -> str:
         f"implementation {origin.get('spec') or origin.get('adapter', '?')}: {origin.get('file') or '?'} "
         f"@ {commit(origin.get('commit'), origin.get('dirty'))}",
         f"torch {origin.get('torch', '?')}",
-        f"backend {origin.get('backend', '?')}",
+        f"backend {origin.get('backend', '?')} on {origin.get('device') or '?'}",
         f"{origin.get('world_size', '?')} ranks",
         f"host {origin.get('host', '?')}",
         str(origin.get("date", "")),

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from tests.kit.cluster import RankCluster
 
     engines = load(args.replay).world if args.replay else args.max_world
-    with RankCluster.start(max(2, engines), implementation=args.implementation or None) as cluster:
+    with RankCluster.start(max(2, engines), implementation=args.implementation or None, startup_timeout=180) as cluster:
         if args.replay:
             result = run_config(cluster, load(args.replay))
             print(f"replay {args.replay}: {'PASS' if result.passed else 'FAIL'} ({result.checks} checks)")

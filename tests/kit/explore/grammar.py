@@ -154,6 +154,7 @@ class Net(nn.Module):
         width = config.dim
         if config.input == "tokens":
             self.embed = nn.Embedding(config.dim, 8)
+            nn.init.uniform_(self.embed.weight, -INIT, INIT)  # as small as the leaves' inputs
             width = 8
         self.body, self.width = _build(config.body, width)
         self.gain = nn.Parameter(torch.ones(1))  # the root's own param: a grad path whatever is frozen
@@ -195,9 +196,10 @@ def first_tensor(output: Any) -> torch.Tensor:
 
 # Under half precision the loss is scaled by a power of two (exactly) so that every grad stays
 # small: the precision matrix's half-precision rows are absolute (1e-3), and one bf16 ulp of a grad
-# of 0.5 is already 2e-3, so at full scale the row could not tell a wrong reduction from rounding.
-# At 1/32 the grads stay well under 0.1, where a few ulps of bf16 are a few 1e-4.
-HALF_PRECISION_LOSS_SCALE = 1 / 32
+# of 0.5 is already 2e-3, so at full scale the row could not tell a wrong reduction from rounding
+# (seen with torch FSDP2 summing bf16 grads over 3 ranks in another order than the reference).
+# At 1/128 even a sum over 8 ranks stays under 0.1, where an ulp of bf16 is 4.9e-4.
+HALF_PRECISION_LOSS_SCALE = 1 / 128
 
 
 def loss_of(output: Any, scale: float = 1.0) -> torch.Tensor:
