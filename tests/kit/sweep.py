@@ -426,7 +426,8 @@ def _sweep(
                         bar.set_description(f"{name + ' ' if named else ''}L4")
                         row = run_l4(out_dir, cluster, spec, name, args.l4_examples, args.l4_replay, runner, run_dir)
                         l4_rows.append(row)
-                        bar.write(f"{row['status']:<11} L4 generalization  {row['summary']}")
+                        label = f"[{name}] " if name else ""
+                        bar.write(f"{row['status']:<11} {label}L4 generalization  {row['summary']}")
                         bar.update(1)
             bar.set_description("pages")
             runner.finish()
@@ -439,11 +440,13 @@ def _sweep(
         print(f"kernels were started the ordinary way after the zygote failed: {fallback}")
     index = write_index(rows, run_dir, time.monotonic() - started, implementations, kernel, l4_rows)
     failed = [
-        f"{r['implementation'] + '/' if r.get('implementation') else ''}{r['id']}"
+        f"{r['implementation'] + '/' if r.get('implementation') else ''}{r.get('id', 'L4')}"
         for r in rows + l4_rows
         if not r["passed"]
     ]
-    print(f"{len(rows) - len(failed)}/{len(rows)} cases passed; evidence: {index}")
+    cases_passed = sum(r["passed"] for r in rows)
+    l4_passed = f", L4 {sum(r['passed'] for r in l4_rows)}/{len(l4_rows)} passed" if l4_rows else ""
+    print(f"{cases_passed}/{len(rows)} cases passed{l4_passed}; evidence: {index}")
     print(overhead_report(rows))
     if log is not None:
         print(f"kernel and engine output: {run_dir / 'sweep.log'}")

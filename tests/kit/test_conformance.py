@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import papermill
 import pytest
@@ -42,11 +43,11 @@ def test_refused_features_are_unsupported_and_named():
 def test_state_kept_between_cases_is_reported_as_a_leak():
     with RankCluster.start(2, implementation=f"native:{FAKES / 'caching'}") as cluster:
         warm = {case_id: judge_case(cluster, case_id) for case_id in ("L0-02", "L1-03")}
-        isolated = {case_id: judge_case(cluster, case_id, isolate=True) for case_id in ("L0-02", "L1-03")}
+        isolated = judge_case(cluster, "L1-03", isolate=True)  # fresh engines: the cache is gone
     assert warm["L0-02"].passed, warm["L0-02"].report()
     assert not warm["L1-03"].passed
     assert warm["L1-03"].leak and "PASS alone on fresh engines" in warm["L1-03"].leak, warm["L1-03"].report()
-    assert all(v.passed for v in isolated.values()), [v.report() for v in isolated.values()]
+    assert isolated.passed, isolated.report()
 
 
 def test_own_mesh_and_tensor_types_are_judged_through_their_adapter():
@@ -57,8 +58,18 @@ def test_own_mesh_and_tensor_types_are_judged_through_their_adapter():
     assert verdicts["L1-03"].unsupported == ["reduce_op_type"]
 
 
+# In CI, FSDP2 runs every case of L0-L2 and, of L3, the cases it lacks a feature for (refused at
+# once) and the ViT (L3-02, the cheapest network); the other networks train the same checks at the
+# plan's sizes for about 75 s more on a 2-core machine, and ``make conformance`` judges them.
+L3_IN_CI = ("L3-02",)
+
+
+def _in_ci(case: Any) -> bool:
+    return not case.id.startswith("L3") or case.id in L3_IN_CI or bool(set(case.needs) & LACKING)
+
+
 def test_torch_fsdp2_passes_what_it_has_and_is_unsupported_exactly_where_it_lacks():
-    cases = [case for level in LEVELS for case in select_cases(level)]
+    cases = [case for level in LEVELS for case in select_cases(level) if _in_ci(case)]
     verdicts = _judge("torch", [case.id for case in cases], engines=4)
     for case in cases:
         verdict = verdicts[case.id]

@@ -106,7 +106,16 @@ def test_the_explorer_finds_nothing_within_its_budget(cluster, tmp_path):
     assert found.passed, found.summary() + "\n" + found.minimal.config.to_json()
 
 
-@pytest.mark.parametrize("bad", [{"--examples": "0"}, {"--max-world": "9"}, {"--replay": "nonexistent-id"}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"--examples": "0"},
+        {"--max-world": "9"},
+        {"--replay": "nonexistent-id"},
+        {"--without": "hsdp,warp_drive"},
+        {"--min-world": "5"},
+    ],
+)
 def test_the_command_refuses_bad_arguments_in_one_line(bad, capsys):
     from tests.kit.explore.__main__ import main
 

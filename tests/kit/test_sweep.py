@@ -169,9 +169,15 @@ def test_the_sweep_is_quiet_and_says_what_failed(two_implementations):
     assert done.returncode == 1, done.stdout + done.stderr  # the skewed implementation fails
     verdict = re.compile(r"^(PASS|FAIL|ERROR|UNSUPPORTED|TIMEOUT|DIED) ")
     lines = [line for line in done.stdout.splitlines() if verdict.match(line)]
-    assert len(lines) == 2 and lines[0].startswith("PASS") and "[ours] L0-01" in lines[0], done.stdout
-    assert lines[1].startswith("FAIL") and "[skewed] L0-01" in lines[1], done.stdout
-    assert "not passed: skewed/L0-01" in done.stdout
+    # per implementation: its case, then its L4 exploration (the skewed engine fails both)
+    assert len(lines) == 4, done.stdout
+    assert lines[0].startswith("PASS") and "[ours] L0-01" in lines[0], done.stdout
+    assert lines[1].startswith("PASS") and "[ours] L4 generalization" in lines[1], done.stdout
+    assert lines[2].startswith("FAIL") and "[skewed] L0-01" in lines[2], done.stdout
+    assert lines[3].startswith("FAIL") and "[skewed] L4 generalization" in lines[3], done.stdout
+    assert "1/2 cases passed, L4 1/2 passed" in done.stdout
+    assert "not passed: skewed/L0-01, skewed/L4" in done.stdout
+    assert "Traceback" not in done.stdout + done.stderr
     assert "IPKernelApp" not in done.stdout + done.stderr and "WARNING" not in done.stdout + done.stderr
     assert re.search(r"overhead \d+\.\d\d s/case", done.stdout)
     assert (run / "sweep.log").exists() and (run / "sweep.log").stat().st_size > 0

@@ -159,3 +159,19 @@ def test_the_text_keeps_what_the_checks_decide():
     assert "pass  reduce-scatters  = 3" in text
     assert "pass  loss finite  <seen>" in text and "4.2189" not in text
     assert "pass  step 0 loss  err=<err>  tol=1e-05" in text
+
+
+def _seeded_sum() -> str:
+    """The float32 sum of a fixed tensor, exactly: its last digits depend on the kernel's add order."""
+    import torch
+
+    values = torch.randn(4097, 33, generator=torch.Generator().manual_seed(0))
+    return repr(values.sum().item())
+
+
+def test_the_notebooks_engines_really_compute_otherwise(notebooks_cluster):
+    """What makes nbval's pass mean something: the engines the notebooks run on (``conftest.py``,
+    ``OTHER_ARITHMETIC``) add a float32 sum in another order than this process does (the recording's
+    arithmetic), so their last digits differ."""
+    theirs = notebooks_cluster.view(0).apply_sync(_seeded_sum)
+    assert theirs != _seeded_sum(), f"the notebooks' engines compute {theirs}, the same as the recording's arithmetic"

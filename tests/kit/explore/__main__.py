@@ -5,6 +5,7 @@ torch ranks against what the API promises, shrink a failure to its smallest conf
     python -m tests.kit.explore --examples 100 --max-world 8           # up to 8 ranks (8 engines)
     python -m tests.kit.explore --implementation torch --examples 300  # torch FSDP2 behind its adapter
     python -m tests.kit.explore --replay 1a2b3c4d5e                    # a saved failure (or a .json path)
+    python -m tests.kit.explore --implementation upstream:PATH --without ignored_params   # past a known defect
 
 Exits 1 when a configuration fails (its minimal form is printed as JSON and saved under
 ``runs/l4/``), 0 otherwise; ``--profile deep`` keeps Hypothesis' example database under
@@ -28,6 +29,7 @@ from tests.kit.explore.runner import (
     load,
     run_config,
 )
+from tests.kit.surface import FEATURES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,10 +37,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--examples", type=int, default=100, help="configurations to draw (default 100)")
     parser.add_argument("--seed", type=int, default=0, help="Hypothesis seed: the same draws everywhere (default 0)")
     parser.add_argument("--max-world", type=int, default=4, help="largest world size drawn, 1..8 (default 4)")
+    parser.add_argument("--min-world", type=int, default=1, help="smallest world size drawn (default 1)")
     parser.add_argument("--implementation", default="", help="spec of the implementation under test ('' = ours)")
     parser.add_argument("--budget", type=float, default=0.0, help="stop drawing after this many seconds (0: none)")
     parser.add_argument("--profile", choices=("ci", "deep"), default="ci", help="Hypothesis settings profile")
     parser.add_argument("--replay", default="", help="run one saved configuration: its id or a .json path")
+    parser.add_argument(
+        "--without",
+        default="",
+        metavar="FEATURE[,FEATURE]",
+        help="declared features not to draw (to explore past a known defect; names: FEATURES in tests/kit/surface.py)",
+    )
+    parser.add_argument(
+        "--isolate", action="store_true", help="fresh engines for every configuration (slow: seconds each)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -49,8 +61,13 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise SystemExit(f"--examples must be >= 1, got {args.examples}")
     if not 1 <= args.max_world <= 8:
         raise SystemExit(f"--max-world must be in 1..8, got {args.max_world}")
+    if not 1 <= args.min_world <= args.max_world:
+        raise SystemExit(f"--min-world must be in 1..--max-world ({args.max_world}), got {args.min_world}")
     if args.budget < 0:
         raise SystemExit(f"--budget must be >= 0 seconds, got {args.budget}")
+    unknown = sorted(set(_without(args)) - (set(FEATURES) - {"fully_shard"}))
+    if unknown:
+        raise SystemExit(f"--without: no such feature {', '.join(unknown)} (known: {', '.join(sorted(FEATURES))})")
     if args.replay:
         try:
             load(args.replay)
@@ -63,6 +80,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
             parse_spec(args.implementation)
         except ValueError as exc:
             raise SystemExit(f"--implementation: {exc}") from None
+
+
+def _without(args: argparse.Namespace) -> list[str]:
+    return [name.strip() for name in args.without.split(",") if name.strip()]
 
 
 def _progress(total: int, quiet: bool):
@@ -97,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             if not result.passed:
                 print(result.failure)
             return 0 if result.passed else 1
-        features = features_of(cluster)
+        features = features_of(cluster) - set(_without(args))
         bar, on_example = _progress(args.examples, args.quiet)
         started = time.monotonic()
         found = explore(
@@ -106,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             examples=args.examples,
             seed=args.seed,
             max_world=args.max_world,
+            min_world=args.min_world,
+            isolate=args.isolate,
             budget_s=args.budget,
             profile=args.profile,
             on_example=on_example,

@@ -153,13 +153,15 @@ class Net(nn.Module):
         self.input_kind, self.output_kind = config.input, config.output
         width = config.dim
         if config.input == "tokens":
-            self.embed = nn.Embedding(config.dim, 8)
+            width = -(-8 // config.world) * config.world if config.even else 8  # even: rows of a multiple
+            self.embed = nn.Embedding(config.dim, width)
             nn.init.uniform_(self.embed.weight, -INIT, INIT)  # as small as the leaves' inputs
-            width = 8
         self.body, self.width = _build(config.body, width)
-        self.gain = nn.Parameter(torch.ones(1))  # the root's own param: a grad path whatever is frozen
+        # the root's own param: a grad path whatever is frozen (one per feature where shards are even)
+        self.gain = nn.Parameter(torch.ones(self.width if config.even else 1))
 
     def forward(self, x: Any, *, scale: torch.Tensor | None = None) -> Any:
+        self.received = str((x["x"] if isinstance(x, dict) else x).dtype)  # after any cast of the inputs
         if self.input_kind == "tokens":
             x = self.embed(x)
         elif self.input_kind == "dict":

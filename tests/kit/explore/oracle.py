@@ -13,8 +13,10 @@ as the L1-L3 cases' ``SameDtypeReference``, generalised to per-param groups and 
 Beside the numbers (loss per micro-batch, grads, the global grad norm and params after each step,
 within the registry's row for the configuration's precision), the invariants every configuration
 keeps: local shard shapes follow the ``torch.chunk`` rule and placements are as placed; after
-forward and backward the unsharded storage is freed or kept as the reshard settings say; the
-reductions carry exactly the trainable managed params (none of the frozen or ignored ones); the
+forward and backward the unsharded storage is freed or kept as the reshard settings say; each
+forward and backward all-gathers every sharded module it needs once and no more (the bytes on the
+wire at their minimum; a recompute may fetch a module once more); the reductions carry exactly the
+trainable managed params (none of the frozen or ignored ones); the
 collectives run in the policy's dtypes; the output keeps its structure and dtype; a state dict
 taken at any point holds the sharded params, and loading it back changes nothing.
 """
@@ -33,7 +35,7 @@ from torch.utils._pytree import tree_map
 
 from tests.kit.checks import CaseContext, PreconditionFailed
 from tests.kit.explore.grammar import HALF_PRECISION_LOSS_SCALE, Out, batch, build, first_tensor, loss_of
-from tests.kit.explore.space import PRECISIONS, Config, Group
+from tests.kit.explore.space import PRECISIONS, Config, Group, checkpointed
 from tests.kit.layout import local_numel, shard_shape
 from tests.kit.recorder import CollectiveRecorder, record_collectives
 from tests.kit.reference import full
@@ -234,6 +236,11 @@ class Example:
         # the effective reshard settings per call: None = True except for the root
         self.reshard_after_forward = [g.reshard_after_forward for g in config.groups]
         self.reshard_after_backward = [True] * len(config.groups)
+        # which fully_shard'ed modules ("units": a call index and a module path) hold their params
+        # unsharded now, and which may or may not (after a state dict, which an implementation may
+        # reshard for): what the next all-gathers must fetch, and may
+        self.unsharded: set[tuple[int, str]] = set()
+        self.unknown: set[tuple[int, str]] = set()
 
     # -- set-up --------------------------------------------------------------------------------
     def shard(self) -> None:
@@ -295,13 +302,39 @@ class Example:
         return impl.MixedPrecisionPolicy(**kwargs)
 
     def _set_prefetch(self) -> None:
-        """Each call's first module prefetches the next call's forward, and the previous one's backward."""
-        firsts = [modules[0] for modules in self.hsdp_modules]
-        for i, module in enumerate(firsts):
-            if i + 1 < len(firsts):
-                module.set_modules_to_forward_prefetch([firsts[i + 1]])
-            if i > 0:
-                module.set_modules_to_backward_prefetch([firsts[i - 1]])
+        """Each sharded module prefetches the one whose forward starts next, and in backward the one
+        whose backward comes next (the reverse of the order forwards finish in): the lists a user
+        writes for the model's order, so a prefetch never fetches a module that is done."""
+        modules = {
+            (index, path): hsdp
+            for index, calls in enumerate(self.hsdp_modules)
+            for path, hsdp in zip(self.config.groups[index].paths, calls, strict=True)
+        }
+        starts, finishes = self._unit_orders()
+        for order, setter in (
+            (starts, "set_modules_to_forward_prefetch"),
+            (finishes[::-1], "set_modules_to_backward_prefetch"),
+        ):
+            for unit, following in zip(order, order[1:], strict=False):
+                getattr(modules[unit], setter)([modules[following]])
+
+    def _unit_orders(self) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+        """The units in the order their forwards start (pre-order of the module tree, which this
+        grammar runs in registration order) and the order they finish (post-order)."""
+        unit_of = {path: (index, path) for index, path in self._units()}
+        starts: list[tuple[int, str]] = []
+        finishes: list[tuple[int, str]] = []
+
+        def walk(module: nn.Module, path: str) -> None:
+            if path in unit_of:
+                starts.append(unit_of[path])
+            for name, child in module.named_children():
+                walk(child, f"{path}.{name}" if path else name)
+            if path in unit_of:
+                finishes.append(unit_of[path])
+
+        walk(self.model, "")
+        return starts, finishes
 
     def _seen_after_forward(self, index: int, module_path: str) -> Callable[..., None]:
         """A forward hook of one module of call ``index``: its own params' numels once its forward
@@ -365,14 +398,20 @@ class Example:
                 handle = self.hsdp_modules[step.unshard][0].unshard(async_op=True)
                 if handle is not None:
                     handle.wait()
+                self._now_unsharded(self.config.groups[step.unshard].paths[:1], step.unshard, True)
             for micro, syncs in enumerate(step.micro):
                 self._micro(index, micro, step, syncs)
+                if micro == 0 and step.zero_held:  # what was held back is dropped, as the plan's L1-04 says
+                    self.hsdp_modules[-1][0].zero_grad(True)
+                    self.reference.zero_grad(True)
             if not all(self.reshard_after_backward):
                 # kept unsharded after backward: the user reshards before reading the grads or
                 # stepping the shards (the contract of set_reshard_after_backward)
                 for modules in self.hsdp_modules:
                     for module in modules:
                         module.reshard()
+                self.unsharded.clear()
+                self.unknown.clear()
             self._check_grads(f"step {index}")
             with impl.optimizer_step():
                 for opt in opts:
@@ -397,9 +436,13 @@ class Example:
                 for module in self.hsdp_modules[step.reduce_op_group]:
                     module.set_reduce_op_type(step.reduce_op, recurse=False)
                 ref.ops[step.reduce_op_group] = step.reduce_op
-        if step.all_reduce is not None:
+        if step.all_reduce is not None and step.all_reduce_group is None:
             root.set_requires_all_reduce(step.all_reduce)
             ref.all_reduce = [step.all_reduce] * len(ref.all_reduce)
+        elif step.all_reduce is not None:
+            for module in self.hsdp_modules[step.all_reduce_group]:
+                module.set_requires_all_reduce(step.all_reduce, recurse=False)
+            ref.all_reduce[step.all_reduce_group] = step.all_reduce
         if step.reshard_after_forward:
             index, flag = step.reshard_after_forward
             for module in self.hsdp_modules[index]:
@@ -422,16 +465,21 @@ class Example:
         args, kwargs = batch(self.config, step_index, micro, self.ctx.rank)
         self.after_forward.clear()
         self.reached.clear()
+        gathers = self._forward_gathers()
         with record_collectives() as forward:
             self._recording_forward = True
             out = self.model(*args, **kwargs)
             self._recording_forward = False
+        self._check_gathers(f"{where} forward", forward, gathers)
+        self._after_forward_state()
         taken = None
         if step.state_dict_at == "between" and last:  # loaded back after backward: torch's in-place rule
             taken = self._state_dict_check(f"{where} between forward and backward")
         with record_collectives() as backward:
             loss = loss_of(out, self.loss_scale)
             loss.backward()
+        self._check_gathers(f"{where} backward", backward, self._backward_gathers())
+        self._after_backward_state()
         rec = CollectiveRecorder()
         rec.calls = forward.calls + backward.calls
         ref_out = self.reference.forward(args, kwargs)
@@ -448,8 +496,112 @@ class Example:
         if step.state_dict_at == "after" and last:
             self._state_dict_round_trip(f"{where} after backward")
 
+    # -- all-gathers: each sharded module's params fetched once when needed, never more -------------
+    def _units(self) -> list[tuple[int, str]]:
+        return [(index, path) for index, group in enumerate(self.config.groups) for path in group.paths]
+
+    def _gather_numel(self, unit: tuple[int, str]) -> int:
+        """What this rank contributes to gathering one unit's sharded params: each shard padded to
+        ceil(rows / ranks) rows; nothing where they shard over one rank (a copy, which may be skipped)."""
+        index, module_path = unit
+        total = 0
+        for path in self._own_numels(index, module_path):
+            plan = self.plans[path]
+            size, _ = self.meshes.shard_coordinate(plan.mesh)
+            if plan.kind == "sharded" and size > 1:
+                total += torch.Size(shard_shape(self.shapes[path], size, 0, plan.dim)).numel()
+        return total
+
+    def _forward_gathers(self) -> tuple[int, int]:
+        """(least, most) elements this rank all-gathers in the coming forward: every unit not
+        unsharded already, once; a unit a state dict may have resharded counts in the most only."""
+        least = most = 0
+        for unit in self._units():
+            size = 0 if unit in self.unsharded else self._gather_numel(unit)
+            least += 0 if unit in self.unknown else size
+            most += size
+        return least, most
+
+    def _backward_gathers(self) -> tuple[int, int]:
+        """(least, most) elements the backward just run had to all-gather (the units' states still
+        as forward left them): every unit it reached that forward resharded, once; at most once
+        more each under activation checkpointing (a recompute's own gather); and a unit it did not
+        reach at most once (a prefetch may fetch it ahead of a need that never comes)."""
+        recompute = 2 if self._checkpointed() else 1
+        least = most = 0
+        for unit in self._units():
+            if unit in self.unsharded:
+                continue
+            size = self._gather_numel(unit)
+            reached = unit[0] in self.reached
+            least += size if reached and unit not in self.unknown else 0
+            most += size * (recompute if reached else 1)
+        return least, most
+
+    def _check_gathers(self, where: str, rec: Any, bounds: tuple[int, int]) -> None:
+        calls = [c for c in rec.calls if c.op == "all_gather" and c.group_size > 1]
+        gathered = sum(c.numel for c in calls)
+        least, most = bounds
+        label = f"{where}: elements all-gathered (each sharded module it needs, once)"
+        self.ctx.true(label, least <= gathered <= most, str(gathered), f"{least}..{most}")
+        if where.endswith("forward") and least == most and "comm_fusion" in impl.features:
+            self.ctx.equal(
+                f"{where}: all-gathers (one per module, one per param with comm_fusion=False)",
+                len(calls),
+                self._forward_gather_calls(),
+            )
+
+    def _forward_gather_calls(self) -> int:
+        """How many all-gathers the coming forward issues: one per sharded module it must fetch,
+        or one per param of a module sharded with ``comm_fusion=False``."""
+        calls = 0
+        for index, path in self._units():
+            if (index, path) in self.unsharded or not self._gather_numel((index, path)):
+                continue
+            fused = self.config.groups[index].comm_fusion
+            calls += (
+                1
+                if fused
+                else sum(
+                    1
+                    for p in self._own_numels(index, path)
+                    if self.plans[p].kind == "sharded" and self.meshes.shard_coordinate(self.plans[p].mesh)[0] > 1
+                )
+            )
+        return calls
+
+    def _checkpointed(self) -> bool:
+        return checkpointed(self.config.body)
+
+    def _now_unsharded(self, paths: list[str], index: int, unsharded: bool) -> None:
+        for path in paths:
+            unit = (index, path)
+            self.unknown.discard(unit)
+            (self.unsharded.add if unsharded else self.unsharded.discard)(unit)
+
+    def _after_forward_state(self) -> None:
+        last = len(self.config.groups) - 1
+        for index, group in enumerate(self.config.groups):
+            setting = self.reshard_after_forward[index]
+            resharded = (index != last) if setting is None else setting
+            self._now_unsharded(group.paths, index, not resharded)
+
+    def _after_backward_state(self) -> None:
+        """Reached units as reshard_after_backward says. A unit backward never reached may be left
+        either way: unsharded by a prefetch ahead of a need that never came and kept (torch FSDP2),
+        resharded at the end of backward (ours, and FSDP2 for one forward left unsharded)."""
+        for unit in self._units():
+            index = unit[0]
+            if index in self.reached:
+                self._now_unsharded([unit[1]], index, not self.reshard_after_backward[index])
+            else:
+                self.unsharded.discard(unit)
+                self.unknown.add(unit)
+
     def _check_output(self, where: str, out: Any, ref_out: Any) -> None:
         self.ctx.equal(f"{where} output type", type(out).__name__, type(ref_out).__name__)
+        received, promised = self.model.received, self.reference.compute.received
+        self.ctx.equal(f"{where} dtype of the input the root module's forward received", received, promised)
         if isinstance(out, (dict, Out)) or isinstance(ref_out, (dict, Out)):
             keys = sorted(out) if isinstance(out, dict) else sorted(vars(out)) if isinstance(out, Out) else []
             ref_keys = sorted(ref_out) if isinstance(ref_out, dict) else sorted(vars(ref_out))
@@ -550,6 +702,8 @@ class Example:
         """The model's state dict, checked: every param there, sharded (but the ignored ones), with
         the reference's values."""
         state = self.model.state_dict()
+        self.unknown |= self.unsharded  # an implementation may reshard for a state dict
+        self.unsharded.clear()
         masters = dict(self.reference.master.named_parameters())
         for path, plan in self.plans.items():
             value = state.get(path)

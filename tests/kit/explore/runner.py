@@ -74,9 +74,15 @@ def config_id(config: Config) -> str:
     return hashlib.sha1(config.to_json().encode()).hexdigest()[:10]
 
 
-def run_config(cluster: RankCluster, config: Config, timeout: float = TIMEOUT_S) -> ExampleResult:
-    """Run ``config`` on the cluster's first ``config.world`` engines and judge every rank's checks."""
+def run_config(
+    cluster: RankCluster, config: Config, timeout: float = TIMEOUT_S, isolate: bool = False
+) -> ExampleResult:
+    """Run ``config`` on the cluster's first ``config.world`` engines and judge every rank's checks;
+    ``isolate``: on fresh engines (an implementation whose process-global state does not survive
+    the kit's fresh process group per run, as upstream's cache of groups)."""
     started = time.monotonic()
+    if isolate:
+        cluster.renew()
     try:
         results = cluster.run(run_example, config.world, config.to_json(), timeout=timeout)
     except RankFailure as failure:
@@ -132,11 +138,16 @@ def explore(
     profile: str = "ci",
     on_example: Callable[[ExampleResult, bool], None] | None = None,
     save_dir: Path = SAVED,
+    *,
+    min_world: int = 1,
+    isolate: bool = False,
 ) -> Exploration:
     """Draw ``examples`` configurations of ``features`` on up to ``max_world`` ranks (no more than
     the cluster has), run each, shrink the first failure to a minimal one and save it.
     ``on_example(result, shrinking)`` is told of every run (progress); ``budget_s`` > 0 stops
     drawing new configurations once that many seconds have gone (the examples left pass unrun)."""
+    if not 1 <= min_world <= max_world:
+        raise ValueError(f"min_world must be in 1..max_world ({max_world}), got {min_world}")
     max_world = min(max_world, cluster.n_engines)
     found = Exploration()
     failing: list[ExampleResult] = []
@@ -144,7 +155,7 @@ def explore(
 
     @settings(settings.get_profile(profile), max_examples=examples)
     @hypothesis_seed(seed)
-    @given(configs(features, max_world))
+    @given(configs(features, max_world, min(min_world, max_world)))
     def every_configuration_keeps_its_promise(config: Config) -> None:
         shrinking = bool(failing)
         if not shrinking:
@@ -153,7 +164,7 @@ def explore(
                 return
             found.drawn += 1
             found.coverage.update(config.coverage().items())
-        result = run_config(cluster, config)
+        result = run_config(cluster, config, isolate=isolate)
         found.examples += 1
         if on_example is not None:
             on_example(result, shrinking)

@@ -86,12 +86,14 @@ class Step:
     hold_with_last_backward: bool = False  # hold back with set_is_last_backward(False), not sync off
     reduce_op: str | None = None  # "sum" / "avg"
     reduce_op_group: int | None = None  # None: the root, recurse; i: group i alone (recurse=False)
-    all_reduce: bool | None = None  # HSDP: set_requires_all_reduce on the root (recurse)
+    all_reduce: bool | None = None  # HSDP: set_requires_all_reduce
+    all_reduce_group: int | None = None  # None: on the root, recurse; i: group i alone (recurse=False)
     reshard_after_forward: list | None = None  # [group, flag] set before the step
     reshard_after_backward: list | None = None  # [group, flag]
     unshard: int | None = None  # a group unshard(async_op=True)-ed before the first forward
     state_dict_at: str = ""  # "", "before" (forward), "between" (forward and backward), "after" (backward)
     zero_grad: str = "optimizer"  # "optimizer"; "module": HSDPModule.zero_grad(); "module zeros": (False)
+    zero_held: bool = False  # HSDPModule.zero_grad() after the first, held-back micro-batch (drops it)
 
 
 @dataclass
@@ -110,6 +112,7 @@ class Config:
     steps: list[Step] = field(default_factory=lambda: [Step()])
     optimizer: str = "sgd"
     seed: int = 0
+    even: bool = False  # every sharded dim a multiple of the ranks (an implementation without uneven shards)
 
     # -- JSON -----------------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -150,7 +153,7 @@ class Config:
             used.add("hsdp")
         if any(g.mesh != "mesh" for g in self.groups):
             used.add("submesh")
-        if _checkpointed(self.body):
+        if checkpointed(self.body):
             used.add("activation_checkpointing")
         if self.prefetch:
             used.add("prefetch")
@@ -181,7 +184,7 @@ class Config:
                 used.add("last_backward" if s.hold_with_last_backward else "gradient_sync")
             if s.reduce_op:
                 used.add("reduce_op_type")
-            if s.reduce_op_group is not None:
+            if s.reduce_op_group is not None or s.all_reduce_group is not None:
                 used.add("recurse_false")
             if s.all_reduce is not None:
                 used.add("all_reduce_control")
@@ -191,7 +194,7 @@ class Config:
                 used.add("unshard_reshard")
             if s.state_dict_at:
                 used.add("dcp")
-            if s.zero_grad != "optimizer":
+            if s.zero_grad != "optimizer" or s.zero_held:
                 used.add("zero_grad")
         return used
 
@@ -226,8 +229,9 @@ def _kinds(node: Node) -> set[str]:
     return own.union(*(_kinds(c) for c in node.children)) if node.children else own
 
 
-def _checkpointed(node: Node) -> bool:
-    return bool(node.checkpoint) or any(_checkpointed(c) for c in node.children)
+def checkpointed(node: Node) -> bool:
+    """Whether any block of the tree runs under activation checkpointing."""
+    return bool(node.checkpoint) or any(checkpointed(c) for c in node.children)
 
 
 # -- strategies --------------------------------------------------------------------------------
@@ -290,11 +294,11 @@ def precisions(draw: Any, features: frozenset[str]) -> Precision:
 
 
 @st.composite
-def configs(draw: Any, features: frozenset[str], max_world: int = 4) -> Config:
+def configs(draw: Any, features: frozenset[str], max_world: int = 4, min_world: int = 1) -> Config:
     """One configuration drawing only ``features`` (what the implementation declares)."""
     from tests.kit.explore.grammar import build, names
 
-    world = draw(st.integers(1, max_world))
+    world = draw(st.integers(min_world, max_world))
     mesh = draw(meshes(world, features))
     uneven = "uneven" in features
     width = dims(world, uneven)
@@ -310,6 +314,7 @@ def configs(draw: Any, features: frozenset[str], max_world: int = 4) -> Config:
         precision=draw(precisions(features)),
         optimizer=draw(st.sampled_from(["sgd", "adamw"])),
         seed=draw(st.integers(0, 2**16)),
+        even=not uneven,
     )
     model = build(config)
     modules, params = names(model)
@@ -426,6 +431,8 @@ def steps(draw: Any, config: Config, features: frozenset[str]) -> Step:
             step.reduce_op_group = draw(st.integers(0, n_groups - 1))
     if "all_reduce_control" in features and config.hsdp and draw(st.integers(0, 2)) == 0:
         step.all_reduce = draw(st.booleans())
+        if "recurse_false" in features and draw(st.booleans()):
+            step.all_reduce_group = draw(st.integers(0, n_groups - 1))
     if "reshard_controls" in features and draw(st.integers(0, 2)) == 0:
         which = draw(st.sampled_from(("reshard_after_forward", "reshard_after_backward")))
         setattr(step, which, [draw(st.integers(0, n_groups - 1)), draw(st.booleans())])
@@ -435,6 +442,8 @@ def steps(draw: Any, config: Config, features: frozenset[str]) -> Step:
         step.state_dict_at = draw(st.sampled_from(("before", "between", "after")))
     if "zero_grad" in features and draw(st.integers(0, 2)) == 0:
         step.zero_grad = draw(st.sampled_from(("module", "module zeros")))
+    if "zero_grad" in features and not step.micro[0] and draw(st.integers(0, 2)) == 0:
+        step.zero_held = True
     return step
 
 
