@@ -67,6 +67,17 @@ def proc_alive(proc: psutil.Process | None) -> bool:
         return False
 
 
+def still_running(pids: Iterable[int], within: float) -> list[int]:
+    """Of ``pids``, those still running (zombies count as gone) after waiting up to ``within``
+    seconds for them to end: what a test that stops processes asserts is empty."""
+    end = time.monotonic() + within
+    left = list(pids)
+    while left and time.monotonic() < end:
+        left = [pid for pid in left if (proc := process(pid)) is not None and proc_alive(proc)]
+        time.sleep(0.2)
+    return left
+
+
 def forget(client: Any, ars: Iterable[Any]) -> None:
     """Drop finished results from the client's caches (long sweeps must not grow memory)."""
     msg_ids = {mid for ar in ars if ar.done() for mid in ar.msg_ids}  # pending ones still need theirs

@@ -25,8 +25,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
+
+from tests.kit.engines import still_running
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -173,16 +174,6 @@ async def _run_cells(lab: Lab, kernel_id: str, cells: list[str]) -> list[dict[st
     return results
 
 
-def _gone(pids: list[int]) -> list[int]:
-    """Of ``pids``, those still running after a bounded wait."""
-    end = time.monotonic() + GONE_TIMEOUT_S
-    left = list(pids)
-    while left and time.monotonic() < end:
-        left = [p for p in left if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        time.sleep(0.2)
-    return left
-
-
 @pytest.mark.timeout(1200)
 def test_the_readme_debugging_walkthrough_in_jupyterlab(tmp_path):
     command, blocks = walkthrough()
@@ -231,4 +222,4 @@ def test_the_readme_debugging_walkthrough_in_jupyterlab(tmp_path):
         lab.request("DELETE", f"/api/sessions/{session['id']}")
     finally:
         lab.stop()
-    assert _gone(kernel_pids) == [], "the kernel or its engines outlived JupyterLab"
+    assert still_running(kernel_pids, GONE_TIMEOUT_S) == [], "the kernel or its engines outlived JupyterLab"

@@ -20,14 +20,16 @@ import time
 from pathlib import Path
 
 import papermill
-import psutil
 import pytest
 
 from tests.kit.cluster import RankCluster
+from tests.kit.engines import still_running
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 CASES = (("L1_interface.ipynb", "L1-03"), ("L2_coupling.ipynb", "L2-02"))
+
+GONE_TIMEOUT_S = 20.0  # seconds a stopped cluster's processes get to end
 
 
 def _ipp():
@@ -57,15 +59,6 @@ def _run_cases_from_papermill(cluster_id: str, profile: str, tmp_path: Path) -> 
     return printed
 
 
-def _gone(pids: list[int], within: float = 20.0) -> list[int]:
-    deadline = time.monotonic() + within
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        time.sleep(0.2)
-    return alive
-
-
 @pytest.mark.timeout(600)
 def test_mpi_launched_engines_run_the_cases_from_papermill(tmp_path):
     ipp = _ipp()
@@ -85,7 +78,7 @@ def test_mpi_launched_engines_run_the_cases_from_papermill(tmp_path):
         assert _run_cases_from_papermill(cluster_id, "default", tmp_path) == ["L1-03", "L2-02"]
     finally:
         cluster.stop_cluster_sync()
-    assert _gone(pids) == [], "engines, mpiexec or the controller outlived the cluster"
+    assert still_running(pids, GONE_TIMEOUT_S) == [], "engines, mpiexec or the controller outlived the cluster"
 
 
 @pytest.mark.timeout(600)
@@ -131,4 +124,4 @@ def test_engines_started_apart_join_through_the_connection_file(tmp_path):
             engine.kill()
             engine.wait(timeout=30)
         cluster.stop_cluster_sync()
-    assert _gone([e.pid for e in engines]) == []
+    assert still_running([e.pid for e in engines], GONE_TIMEOUT_S) == []
