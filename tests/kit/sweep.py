@@ -53,8 +53,8 @@ from tests.kit.evidence import (
 from tests.kit.levels import LEVELS
 from tests.kit.notebook import select
 from tests.kit.surface import parse_implementations
-from tests.kit.sweep_index import case_line, overhead_report, write_index
-from tests.kit.sweep_l4 import run_l4
+from tests.kit.sweep_index import case_line, not_passed, overhead_report, passed_count, write_index
+from tests.kit.sweep_l4 import l4_line, run_l4
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
@@ -426,8 +426,7 @@ def _sweep(
                         bar.set_description(f"{name + ' ' if named else ''}L4")
                         row = run_l4(out_dir, cluster, spec, name, args.l4_examples, args.l4_replay, runner, run_dir)
                         l4_rows.append(row)
-                        label = f"[{name}] " if name else ""
-                        bar.write(f"{row['status']:<11} {label}L4 generalization  {row['summary']}")
+                        bar.write(l4_line(row))
                         bar.update(1)
             bar.set_description("pages")
             runner.finish()
@@ -439,14 +438,8 @@ def _sweep(
     if fallback:
         print(f"kernels were started the ordinary way after the zygote failed: {fallback}")
     index = write_index(rows, run_dir, time.monotonic() - started, implementations, kernel, l4_rows)
-    failed = [
-        f"{r['implementation'] + '/' if r.get('implementation') else ''}{r.get('id', 'L4')}"
-        for r in rows + l4_rows
-        if not r["passed"]
-    ]
-    cases_passed = sum(r["passed"] for r in rows)
-    l4_passed = f", L4 {sum(r['passed'] for r in l4_rows)}/{len(l4_rows)} passed" if l4_rows else ""
-    print(f"{cases_passed}/{len(rows)} cases passed{l4_passed}; evidence: {index}")
+    failed = not_passed(rows + l4_rows)
+    print(f"{passed_count(rows, l4_rows)}; evidence: {index}")
     print(overhead_report(rows))
     if log is not None:
         print(f"kernel and engine output: {run_dir / 'sweep.log'}")

@@ -173,6 +173,21 @@ def case_line(row: dict[str, Any]) -> str:
     )
 
 
+def not_passed(rows: list[dict[str, Any]]) -> list[str]:
+    """``[implementation/]id`` of every case row (and ``L4`` of every L4 row) that did not pass."""
+    return [
+        f"{r['implementation'] + '/' if r.get('implementation') else ''}{r.get('id', 'L4')}"
+        for r in rows
+        if not r["passed"]
+    ]
+
+
+def passed_count(rows: list[dict[str, Any]], l4_rows: list[dict[str, Any]]) -> str:
+    """``N/M cases passed`` and, when L4 ran, ``L4 n/m passed``."""
+    l4 = f", L4 {sum(r['passed'] for r in l4_rows)}/{len(l4_rows)} passed" if l4_rows else ""
+    return f"{sum(r['passed'] for r in rows)}/{len(rows)} cases passed{l4}"
+
+
 def overhead_report(rows: list[dict[str, Any]]) -> str:
     """Mean seconds per case spent beyond the case itself, and where they went."""
     if not rows:

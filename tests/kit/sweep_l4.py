@@ -67,6 +67,12 @@ def run_l4(
     return row
 
 
+def l4_line(row: dict[str, Any]) -> str:
+    """The sweep's progress line for one implementation's L4 run (beside ``case_line``)."""
+    name = f"[{row['implementation']}] " if row["implementation"] else ""
+    return f"{row['status']:<11} {name}L4 generalization  {row['summary']}"
+
+
 def l4_section(rows: list[dict[str, Any]]) -> str:
     """The index's L4 section: one line per implementation, linking its page and notebook."""
     if not rows:

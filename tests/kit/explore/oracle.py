@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from tests.kit.checks import CaseContext, PreconditionFailed
+from tests.kit.explore.gathers import GatherLedger, Unit
 from tests.kit.explore.grammar import HALF_PRECISION_LOSS_SCALE, Out, batch, build, first_tensor, loss_of
 from tests.kit.explore.space import PRECISIONS, Config, Group, checkpointed
 from tests.kit.layout import local_numel, shard_shape
@@ -236,11 +237,7 @@ class Example:
         # the effective reshard settings per call: None = True except for the root
         self.reshard_after_forward = [g.reshard_after_forward for g in config.groups]
         self.reshard_after_backward = [True] * len(config.groups)
-        # which fully_shard'ed modules ("units": a call index and a module path) hold their params
-        # unsharded now, and which may or may not (after a state dict, which an implementation may
-        # reshard for): what the next all-gathers must fetch, and may
-        self.unsharded: set[tuple[int, str]] = set()
-        self.unknown: set[tuple[int, str]] = set()
+        self.gathers = GatherLedger(*self._gather_sizes())  # what each forward and backward must fetch
 
     # -- set-up --------------------------------------------------------------------------------
     def shard(self) -> None:
@@ -398,7 +395,7 @@ class Example:
                 handle = self.hsdp_modules[step.unshard][0].unshard(async_op=True)
                 if handle is not None:
                     handle.wait()
-                self._now_unsharded(self.config.groups[step.unshard].paths[:1], step.unshard, True)
+                self.gathers.mark([(step.unshard, self.config.groups[step.unshard].paths[0])], True)
             for micro, syncs in enumerate(step.micro):
                 self._micro(index, micro, step, syncs)
                 if micro == 0 and step.zero_held:  # what was held back is dropped, as the plan's L1-04 says
@@ -410,8 +407,7 @@ class Example:
                 for modules in self.hsdp_modules:
                     for module in modules:
                         module.reshard()
-                self.unsharded.clear()
-                self.unknown.clear()
+                self.gathers.all_resharded()
             self._check_grads(f"step {index}")
             with impl.optimizer_step():
                 for opt in opts:
@@ -465,21 +461,21 @@ class Example:
         args, kwargs = batch(self.config, step_index, micro, self.ctx.rank)
         self.after_forward.clear()
         self.reached.clear()
-        gathers = self._forward_gathers()
+        gathers, calls = self.gathers.forward(), self.gathers.forward_calls()
         with record_collectives() as forward:
             self._recording_forward = True
             out = self.model(*args, **kwargs)
             self._recording_forward = False
-        self._check_gathers(f"{where} forward", forward, gathers)
-        self._after_forward_state()
+        self._check_gathers(f"{where} forward", forward, gathers, calls)
+        self.gathers.after_forward(self._resharded_after_forward())
         taken = None
         if step.state_dict_at == "between" and last:  # loaded back after backward: torch's in-place rule
             taken = self._state_dict_check(f"{where} between forward and backward")
         with record_collectives() as backward:
             loss = loss_of(out, self.loss_scale)
             loss.backward()
-        self._check_gathers(f"{where} backward", backward, self._backward_gathers())
-        self._after_backward_state()
+        self._check_gathers(f"{where} backward", backward, self.gathers.backward(self.reached, self.recompute))
+        self.gathers.after_backward(self.reached, self.reshard_after_backward)
         rec = CollectiveRecorder()
         rec.calls = forward.calls + backward.calls
         ref_out = self.reference.forward(args, kwargs)
@@ -497,106 +493,46 @@ class Example:
             self._state_dict_round_trip(f"{where} after backward")
 
     # -- all-gathers: each sharded module's params fetched once when needed, never more -------------
-    def _units(self) -> list[tuple[int, str]]:
+    def _units(self) -> list[Unit]:
         return [(index, path) for index, group in enumerate(self.config.groups) for path in group.paths]
 
-    def _gather_numel(self, unit: tuple[int, str]) -> int:
-        """What this rank contributes to gathering one unit's sharded params: each shard padded to
-        ceil(rows / ranks) rows; nothing where they shard over one rank (a copy, which may be skipped)."""
-        index, module_path = unit
-        total = 0
-        for path in self._own_numels(index, module_path):
-            plan = self.plans[path]
-            size, _ = self.meshes.shard_coordinate(plan.mesh)
-            if plan.kind == "sharded" and size > 1:
-                total += torch.Size(shard_shape(self.shapes[path], size, 0, plan.dim)).numel()
-        return total
-
-    def _forward_gathers(self) -> tuple[int, int]:
-        """(least, most) elements this rank all-gathers in the coming forward: every unit not
-        unsharded already, once; a unit a state dict may have resharded counts in the most only."""
-        least = most = 0
+    def _gather_sizes(self) -> tuple[dict[Unit, int], dict[Unit, int]]:
+        """Per unit, the elements this rank contributes to gathering its sharded params (each shard
+        padded to ceil(rows / ranks) rows; none where they shard over one rank: a copy, which may be
+        skipped), and the all-gathers that takes (one; one per param with ``comm_fusion=False``)."""
+        sizes: dict[Unit, int] = {}
+        calls: dict[Unit, int] = {}
         for unit in self._units():
-            size = 0 if unit in self.unsharded else self._gather_numel(unit)
-            least += 0 if unit in self.unknown else size
-            most += size
-        return least, most
+            shards = []
+            for path in self._own_numels(*unit):
+                plan = self.plans[path]
+                size, _ = self.meshes.shard_coordinate(plan.mesh)
+                if plan.kind == "sharded" and size > 1:
+                    shards.append(torch.Size(shard_shape(self.shapes[path], size, 0, plan.dim)).numel())
+            sizes[unit] = sum(shards)
+            fused = self.config.groups[unit[0]].comm_fusion
+            calls[unit] = 0 if not shards else 1 if fused else len(shards)
+        return sizes, calls
 
-    def _backward_gathers(self) -> tuple[int, int]:
-        """(least, most) elements the backward just run had to all-gather (the units' states still
-        as forward left them): every unit it reached that forward resharded, once; at most once
-        more each under activation checkpointing (a recompute's own gather); and a unit it did not
-        reach at most once (a prefetch may fetch it ahead of a need that never comes)."""
-        recompute = 2 if self._checkpointed() else 1
-        least = most = 0
-        for unit in self._units():
-            if unit in self.unsharded:
-                continue
-            size = self._gather_numel(unit)
-            reached = unit[0] in self.reached
-            least += size if reached and unit not in self.unknown else 0
-            most += size * (recompute if reached else 1)
-        return least, most
+    @property
+    def recompute(self) -> bool:
+        """Whether a block runs under activation checkpointing (a recompute may gather again)."""
+        return checkpointed(self.config.body)
 
-    def _check_gathers(self, where: str, rec: Any, bounds: tuple[int, int]) -> None:
-        calls = [c for c in rec.calls if c.op == "all_gather" and c.group_size > 1]
-        gathered = sum(c.numel for c in calls)
+    def _resharded_after_forward(self) -> list[bool]:
+        """Each call's effective reshard_after_forward: None reshards all but the root."""
+        last = len(self.config.groups) - 1
+        return [(i != last) if flag is None else flag for i, flag in enumerate(self.reshard_after_forward)]
+
+    def _check_gathers(self, where: str, rec: Any, bounds: tuple[int, int], calls: int | None = None) -> None:
+        gathers = [c for c in rec.calls if c.op == "all_gather" and c.group_size > 1]
+        gathered = sum(c.numel for c in gathers)
         least, most = bounds
         label = f"{where}: elements all-gathered (each sharded module it needs, once)"
         self.ctx.true(label, least <= gathered <= most, str(gathered), f"{least}..{most}")
-        if where.endswith("forward") and least == most and "comm_fusion" in impl.features:
-            self.ctx.equal(
-                f"{where}: all-gathers (one per module, one per param with comm_fusion=False)",
-                len(calls),
-                self._forward_gather_calls(),
-            )
-
-    def _forward_gather_calls(self) -> int:
-        """How many all-gathers the coming forward issues: one per sharded module it must fetch,
-        or one per param of a module sharded with ``comm_fusion=False``."""
-        calls = 0
-        for index, path in self._units():
-            if (index, path) in self.unsharded or not self._gather_numel((index, path)):
-                continue
-            fused = self.config.groups[index].comm_fusion
-            calls += (
-                1
-                if fused
-                else sum(
-                    1
-                    for p in self._own_numels(index, path)
-                    if self.plans[p].kind == "sharded" and self.meshes.shard_coordinate(self.plans[p].mesh)[0] > 1
-                )
-            )
-        return calls
-
-    def _checkpointed(self) -> bool:
-        return checkpointed(self.config.body)
-
-    def _now_unsharded(self, paths: list[str], index: int, unsharded: bool) -> None:
-        for path in paths:
-            unit = (index, path)
-            self.unknown.discard(unit)
-            (self.unsharded.add if unsharded else self.unsharded.discard)(unit)
-
-    def _after_forward_state(self) -> None:
-        last = len(self.config.groups) - 1
-        for index, group in enumerate(self.config.groups):
-            setting = self.reshard_after_forward[index]
-            resharded = (index != last) if setting is None else setting
-            self._now_unsharded(group.paths, index, not resharded)
-
-    def _after_backward_state(self) -> None:
-        """Reached units as reshard_after_backward says. A unit backward never reached may be left
-        either way: unsharded by a prefetch ahead of a need that never came and kept (torch FSDP2),
-        resharded at the end of backward (ours, and FSDP2 for one forward left unsharded)."""
-        for unit in self._units():
-            index = unit[0]
-            if index in self.reached:
-                self._now_unsharded([unit[1]], index, not self.reshard_after_backward[index])
-            else:
-                self.unsharded.discard(unit)
-                self.unknown.add(unit)
+        if calls is not None and least == most and "comm_fusion" in impl.features:
+            label = f"{where}: all-gathers (one per module, one per param with comm_fusion=False)"
+            self.ctx.equal(label, len(gathers), calls)
 
     def _check_output(self, where: str, out: Any, ref_out: Any) -> None:
         self.ctx.equal(f"{where} output type", type(out).__name__, type(ref_out).__name__)
@@ -702,8 +638,7 @@ class Example:
         """The model's state dict, checked: every param there, sharded (but the ignored ones), with
         the reference's values."""
         state = self.model.state_dict()
-        self.unknown |= self.unsharded  # an implementation may reshard for a state dict
-        self.unsharded.clear()
+        self.gathers.maybe_resharded()
         masters = dict(self.reference.master.named_parameters())
         for path, plan in self.plans.items():
             value = state.get(path)
