@@ -191,9 +191,7 @@ def build_l4() -> nbformat.NotebookNode:
         _code(L4_PARAMETERS, "parameters"),
         _code(L4_SETUP),
         _code("cluster = nb.connect(cluster_id, profile, engines, implementation)\ncluster", "nbval-ignore-output"),
-        _code(
-            "done = l4.run(cluster, seed, examples, max_world_size, time_budget, replay)", "nbval-ignore-output"
-        ),
+        _code("done = l4.run(cluster, seed, examples, max_world_size, time_budget, replay)", "nbval-ignore-output"),
         new_markdown_cell("## Summary\nHow many configurations were drawn, and how often each option came up."),
         _code("print(l4.summary_text(done))"),
         new_markdown_cell("## What was drawn"),

@@ -29,7 +29,8 @@ LEVELS: dict[str, Level] = {
             "L0_coverage",
             "L0 — coverage the plan takes as existing",
             "mesh=None, nested groups, uneven shapes, offload, replicate_params, comm fusion, list input, "
-            "gradient sync, prefetch, mixed precision, TP + FSDP, DCP, argument validation",
+            "gradient sync, prefetch, mixed precision, TP + FSDP, DCP, argument validation; beyond the plan, "
+            "FSDP2's usages (L0-FSDP2-*)",
         ),
         Level(
             "L1",

@@ -80,6 +80,17 @@ FEATURES: dict[str, str] = {
     "activation_checkpointing": "torch.utils.checkpoint (re-entrant forwards inside backward)",
     "pipeline": "torch.distributed.pipelining stages over sharded modules",
     "expert_parallel": "experts on an ep sub-mesh beside dense params on the dp mesh",
+    # FSDP2 usages as torch 2.13 users call them (the L0-FSDP2-* cases)
+    "deferred_init": "fully_shard on a meta-device model, to_empty, then a full or sharded state dict loaded",
+    "reset_parameters": "reset_parameters() of a sharded module after to_empty: sharded random init",
+    "reshard_int": "reshard_after_forward=k (int): a 1/k share kept after forward, backward gathers over k ranks",
+    "to_dtype": "module.to(dtype) / .double() after sharding: sharded params and grads in that dtype",
+    "forward_method": "register_fsdp_forward_method(module, name): another method runs like forward",
+    "all_reduce_hook": "HSDPModule.set_all_reduce_hook(hook): called on each group's reduced grads",
+    "unshard_in_backward": "HSDPModule.set_unshard_in_backward(False): no all-gather of that group in backward",
+    "gradient_divide_factor": "HSDPModule.set_gradient_divide_factor(f): reduced grads = sum over ranks / f",
+    "force_sum_reduction": "HSDPModule.set_force_sum_reduction_for_comms(True): sum-only collectives, same grads",
+    "gradient_scaling_factor": "HSDPModule.set_gradient_scaling_factor(s): reduced grads times s (None: off)",
 }
 
 
@@ -137,6 +148,7 @@ class Implementation:
     name = "implementation"
     features: frozenset[str] = frozenset(FEATURES)
     fully_shard: Any
+    register_fsdp_forward_method: Any  # (module, method_name): another method runs like forward
     HSDPModule: type
     MixedPrecisionPolicy: type
     OffloadPolicy: type

@@ -6,8 +6,10 @@ helpers every case needs (nested sharding, rank-data preconditions)."""
 from __future__ import annotations
 
 import contextlib
+import shutil
+import tempfile
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,6 +41,20 @@ def differs_across_ranks(tensor: torch.Tensor, group: dist.ProcessGroup | None =
     """True if some rank of ``group`` holds a different ``tensor`` (collective: all ranks call)."""
     gathered = gather_from(tensor, group)
     return any(not torch.equal(gathered[0], other) for other in gathered[1:])
+
+
+@contextlib.contextmanager
+def shared_tmpdir(prefix: str = "hpkit_dcp_") -> Iterator[str]:
+    """A fresh directory made by rank 0, its path known to every rank (a checkpoint's place);
+    removed by rank 0 once every rank has left the block (collective)."""
+    path = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    try:
+        yield path[0]
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path[0], ignore_errors=True)
 
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:

@@ -261,7 +261,8 @@ MUTANTS: tuple[Mutant, ...] = (
         PARAM_GROUP,
         "stale copy",
         "unshard of a group kept unsharded does not check for shards changed by an optimizer step",
-        "        if self.state is ShardedState.UNSHARDED and self.is_stale:\n            self.reshard()\n",
+        "        if self.state in (ShardedState.UNSHARDED, ShardedState.SHARDED_POST_FORWARD) and self.is_stale:\n"
+        "            self.reshard()\n",
         "",
     ),
     Mutant(
@@ -285,16 +286,16 @@ MUTANTS: tuple[Mutant, ...] = (
         PARAM_GROUP,
         "unshard idempotence",
         "unshard while an async gather is in flight starts another all-gather",
-        "        if self.state is not ShardedState.SHARDED:\n            return\n",
-        "        if self.state is ShardedState.UNSHARDED:\n            return\n",
+        "        elif self.state is ShardedState.SHARDED:\n",
+        "        elif self.state in (ShardedState.SHARDED, ShardedState.UNSHARDING):\n",
     ),
     Mutant(
         "28",
         PARAM_GROUP,
         "HSDP all-reduce",
         "post-backward passes requires_gradient_sync where requires_all_reduce belongs",
-        "                        all_reduce_replicas=self.requires_all_reduce,\n",
-        "                        all_reduce_replicas=self.requires_gradient_sync,\n",
+        "            all_reduce_replicas=self.requires_all_reduce,\n",
+        "            all_reduce_replicas=self.requires_gradient_sync,\n",
     ),
     # -- platform/torch/fully_shard/collectives.py ---------------------------------------------
     Mutant(
@@ -445,6 +446,56 @@ MUTANTS: tuple[Mutant, ...] = (
         "the implicit backward prefetch takes the group after this one in forward order, whose backward already ran",
         "        target = order[index - 1]\n",
         "        target = order[min(index + 1, len(order) - 1)]\n",
+    ),
+    # -- the FSDP2 drop-in surface (issue 22): killed by the L0-FSDP2-* cases ------------------
+    Mutant(
+        "46",
+        PARAM_GROUP,
+        "reshard_after_forward int",
+        "after forward with an int, backward gathers the pieces kept over the whole shard group, not "
+        "within the rows of k ranks",
+        "            group = self._post_forward.group\n",
+        "            self.reshard()\n            return self.unshard(async_op)\n",
+    ),
+    Mutant(
+        "47",
+        PARAM,
+        "deferred init / to(dtype)",
+        "after nn.Module._apply the unsharded copy keeps its old dtype and device",
+        "        self._init_unsharded(self.sharded_param)\n        self._gathered_version = (-1, -1)\n",
+        "        self._gathered_version = (-1, -1)\n",
+    ),
+    Mutant(
+        "48",
+        COLLECTIVES,
+        "all-reduce hook",
+        "the all-reduce hook is never called",
+        "        if self.settings.all_reduce_hook is not None:\n",
+        "        if False:\n",
+    ),
+    Mutant(
+        "49",
+        COLLECTIVES,
+        "gradient scaling factor",
+        "set_gradient_scaling_factor divides instead of multiplying",
+        "            output.mul_(self.settings.scaling_factor)\n",
+        "            output.div_(self.settings.scaling_factor)\n",
+    ),
+    Mutant(
+        "50",
+        STATE,
+        "unshard in backward",
+        "set_unshard_in_backward(False) is ignored: backward gathers the group anyway",
+        "        if self.param_group is not None and self.param_group.unshard_in_backward:\n",
+        "        if self.param_group is not None:\n",
+    ),
+    Mutant(
+        "51",
+        COLLECTIVES,
+        "gradient divide factor",
+        "the divide factor is applied as the average's divisor too: grads divided by the ranks and the factor",
+        "            return 1.0 / self.divide_factor, dist.ReduceOp.SUM, None\n",
+        "            return 1.0 / self.divide_factor, dist.ReduceOp.AVG, None\n",
     ),
 )
 

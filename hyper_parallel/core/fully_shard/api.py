@@ -7,26 +7,36 @@ it was. The mechanics (params, groups, hooks, collectives) live in
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, overload
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from hyper_parallel.platform.torch.fully_shard.collectives import separate_group
 from hyper_parallel.platform.torch.fully_shard.mesh_info import (
     default_mesh,
     device_of,
     mesh_info_of,
+    post_forward_mesh,
 )
 from hyper_parallel.platform.torch.fully_shard.param import HSDPParam, ModuleSlot
 from hyper_parallel.platform.torch.fully_shard.param_group import HSDPParamGroup, UnshardHandle
-from hyper_parallel.platform.torch.fully_shard.state import STATE_ATTR, HSDPState, state_of
+from hyper_parallel.platform.torch.fully_shard.state import (
+    ITERATION,
+    STATE_ATTR,
+    HSDPState,
+    forward_method,
+    state_of,
+)
 
 from .utils import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["fully_shard", "HSDPModule", "UnshardHandle"]
+__all__ = ["fully_shard", "HSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
 _REDUCE_OP_TYPES = ("sum", "avg")
 
@@ -38,6 +48,26 @@ def _check_bool(name: str, value: object) -> None:
 
 class HSDPModule:
     """Mixed into every module given to ``fully_shard``; controls its group and those below."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> nn.Module:
+        """A container that builds a new instance of its own class (``ModuleList`` or ``Sequential``
+        sliced) gets the original class: the new module was not given to ``fully_shard``."""
+        original = cls.__mro__[2]  # HSDP<cls>: (HSDP<cls>, HSDPModule, cls, ...)
+        module = original.__new__(original)
+        module.__init__(*args, **kwargs)
+        return module
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        """``to`` / ``to_empty`` / ``double`` / ...: applied to the sharded params (resharded first), then
+        this group follows their new dtype and device (deferred init materialises its shards here)."""
+        group = state_of(self).param_group
+        if group is not None:
+            group.finish_reductions()
+            group.reshard()
+        result = super()._apply(fn, recurse)
+        if group is not None:
+            group.refresh_after_apply()
+        return result
 
     def _hsdp_states(self, recurse: bool = True) -> list[HSDPState]:
         if not recurse:
@@ -82,6 +112,119 @@ class HSDPModule:
         _check_bool("recurse", recurse)
         for group in self._groups(recurse):
             group.reduce_op = reduce_op_type.lower()
+            group.gradient_divide_factor = None  # the op type replaces a divide factor set before
+
+    def set_gradient_divide_factor(self, factor: float | None) -> None:
+        """This group's reduced grad is the sum over its data-parallel ranks divided by ``factor``
+        (None: back to the reduce op type), until ``set_reduce_op_type`` replaces it. Not recursive."""
+        if factor is not None:
+            factor = _check_number("factor", factor)
+            if factor <= 0:
+                raise ValueError(f"factor must be positive, got {factor}")
+        for group in self._groups(recurse=False):
+            group.gradient_divide_factor = factor
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated name of ``set_gradient_divide_factor`` (as in FSDP2)."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor",
+            FutureWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """True: gradient collectives only sum, and the average (or divide factor) is a division after
+        them. Not recursive."""
+        _check_bool("enable", enable)
+        for group in self._groups(recurse=False):
+            group.force_sum_reduction = enable
+
+    def set_gradient_scaling_factor(self, factor: float | int | torch.Tensor | None = None) -> None:
+        """HyperParallel's: multiply this group's reduced grads by ``factor`` before they land in the
+        grads (None: no scaling). Not recursive."""
+        if factor is not None:
+            if isinstance(factor, torch.Tensor):
+                if factor.numel() != 1:
+                    raise ValueError(f"factor must be a 1-element tensor, got shape {tuple(factor.shape)}")
+            else:
+                _check_number("factor", factor, error=ValueError)
+        for group in self._groups(recurse=False):
+            group.gradient_scaling_factor = factor
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """Call ``hook(output)`` on this group's reduced grads (after the HSDP all-reduce, else after the
+        reduce-scatter), before any division after the collectives. Not recursive. This engine issues
+        its collectives on the current stream, so ``stream`` is refused under HSDP (as FSDP2 does)
+        and otherwise has no effect."""
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {hook!r}")
+        for group in self._groups(recurse=False):
+            if stream is not None and group.mesh_info.is_hsdp:
+                raise ValueError("stream cannot be set when using native HSDP")
+            group.all_reduce_hook = hook
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: backward does not gather this group's params (none is needed to compute the grads,
+        as an embedding's weight). Not recursive."""
+        _check_bool("unshard_in_backward", unshard_in_backward)
+        for group in self._groups(recurse=False):
+            group.unshard_in_backward = unshard_in_backward
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """True: params that got no grad in a backward reduce zeros, so ranks that used different
+        params (conditional control flow) still issue the same collectives."""
+        _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        _check_bool("recurse", recurse)
+        for group in self._groups(recurse):
+            group.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """True: gradient reduce-scatters run on a process group of their own over the shard ranks
+        (one per set of ranks), so they can overlap the all-gathers; False: back to the shard group."""
+        _check_bool("enable", enable)
+        _check_bool("recurse", recurse)
+        made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for group in self._groups(recurse):
+            group.reduce_scatter_group = separate_group(group.mesh_info.shard_group, made) if enable else None
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The root's next forward waits for ``event`` (recorded after the optimizer step) before it
+        gathers, once. On the CPU there are no streams to wait on."""
+        if not isinstance(event, torch.Event):
+            raise TypeError(f"event must be a torch.Event, got {type(event).__name__}")
+        state_of(self).post_optim_event = event
+
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward: finish in-flight gathers, reshard every
+        group and forget the iteration; its in-flight and accumulated grads are discarded. On the root."""
+        if state_of(self).is_root is False:
+            raise RuntimeError("reset_iter_state must be called on the root module (the one forward starts at)")
+        for group in self._groups():
+            group.discard_iteration()
+        ITERATION.forget()
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Refused: the all-gather's buffers are this engine's (flat, padded per param)."""
+        raise NotImplementedError("set_custom_all_gather: this engine allocates and issues its own all-gathers")
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Refused: the reduce-scatter's buffers are this engine's (flat, padded per param)."""
+        raise NotImplementedError("set_custom_reduce_scatter: this engine allocates and issues its own reduce-scatters")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Refused: communication buffers come from torch's allocator."""
+        raise NotImplementedError(
+            "set_allocate_memory_from_process_group_for_comm: buffers come from torch's allocator"
+        )
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Refused: NCCL symmetric memory is not used."""
+        raise NotImplementedError("set_symm_mem_for_comm: NCCL symmetric memory is not used by this engine")
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """Refused: each reduction allocates its own input buffer, on the current stream."""
+        raise NotImplementedError("set_reduce_scatter_max_input_buffers: each reduction allocates its own input buffer")
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the next backwards leave their reductions in flight (pipeline microbatches);
@@ -124,6 +267,32 @@ class HSDPModule:
         nn.Module.zero_grad(self, set_to_none)  # params the groups do not manage (ignored)
 
 
+def _check_number(name: str, value: object, error: type[Exception] = TypeError) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise error(f"{name} must be a float or an int, got {value!r}")
+    return float(value)
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module.<method_name>`` between the module's forward hooks, as ``forward`` runs (gather
+    before, reshard after, grads reduced in backward). A no-op on a module not given to
+    ``fully_shard``, as in FSDP2."""
+    state = state_of(module)
+    if state is None:
+        return
+    if not callable(getattr(module, method_name, None)):
+        raise ValueError(f"{type(module).__name__} does not have a method {method_name}")
+    setattr(module, method_name, forward_method(state, getattr(module, method_name)))
+
+
+def share_comm_ctx(modules: list[HSDPModule]) -> None:
+    """FSDP2 shares its communication streams between roots (pipeline stages); this engine issues
+    every collective on the current stream, so there is nothing to share. Checks its argument."""
+    for module in modules:
+        if state_of(module) is None:
+            raise ValueError(f"share_comm_ctx expects modules given to fully_shard, got {type(module).__name__}")
+
+
 def _prefetch_states(name: str, modules: object) -> list[HSDPState]:
     if not isinstance(modules, (list, tuple)):
         raise TypeError(f"{name} must be a list of HSDPModules, got {type(modules).__name__}")
@@ -147,7 +316,7 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
@@ -155,6 +324,7 @@ def fully_shard(
     replicate_params: Iterable[nn.Parameter] | None = None,
     comm_fusion: bool = True,
     device: torch.device | str | None = None,
+    dp_mesh_dims: Any = None,
 ) -> HSDPModule | list[HSDPModule]:
     """Shard ``module``'s params over ``mesh`` (1-D: FSDP, 2-D: HSDP) and hook its forward.
 
@@ -162,12 +332,13 @@ def fully_shard(
     docs/architecture.md ("The fully_shard contract") describes every argument.
     """
     modules = _check_modules(module)
-    mesh = _check_mesh(mesh)
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise TypeError(
-            "reshard_after_forward must be True, False or None; int values (reshard to a "
-            f"smaller mesh) are not supported, got {reshard_after_forward!r}"
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            "fully_shard(dp_mesh_dims=...): a full SPMD mesh with DTensor params is not supported; "
+            "pass the data-parallel (sub-)mesh as mesh"
         )
+    mesh = _check_mesh(mesh)
+    reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(f"shard_placement_fn must be callable or None, got {shard_placement_fn!r}")
     mp_policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
@@ -213,6 +384,24 @@ def _check_mesh(mesh: object) -> DeviceMesh:
     if mesh.ndim not in (1, 2):
         raise ValueError(f"mesh must be 1-D (FSDP) or 2-D (HSDP: replicate, shard), got {mesh.ndim}-D")
     return mesh
+
+
+def _check_reshard_after_forward(value: object, mesh: DeviceMesh) -> bool | int | None:
+    """True / False / None, or an int: the number of ranks to reshard to after forward, a divisor of
+    the shard dim's size (1 means False and the shard dim's size means True, as in FSDP2)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise TypeError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
+    shard_size = mesh.size(mesh.ndim - 1)
+    if value < 1 or shard_size % value:
+        raise ValueError(
+            f"reshard_after_forward={value}: an int must divide the shard dim's size {shard_size} "
+            "(the ranks to reshard to after forward)"
+        )
+    if value == 1:
+        return False
+    return True if value == shard_size else value
 
 
 def _check_device(device: object, mesh: DeviceMesh) -> torch.device:
@@ -348,6 +537,11 @@ def _placement_of(
         return Shard(0) if param.ndim else Replicate()
     if isinstance(placement, Replicate):
         return placement
+    if type(placement).__name__ == "ShardPlacementResult":
+        raise NotImplementedError(
+            f"shard_placement_fn returned a ShardPlacementResult for {name!r}: a mesh per param is not "
+            "supported; shard such params with a fully_shard call of their own on that mesh"
+        )
     if isinstance(placement, Shard) and type(placement) is Shard:
         if not -param.ndim <= placement.dim < max(param.ndim, 1) or param.ndim == 0:
             raise ValueError(
@@ -374,7 +568,7 @@ def _apply(
     module: nn.Module,
     plan: _ModulePlan,
     mesh: DeviceMesh,
-    reshard_after_forward: bool | None,
+    reshard_after_forward: bool | int | None,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy,
     comm_fusion: bool,
@@ -390,7 +584,10 @@ def _apply(
         param.use_sharded()
     group = HSDPParamGroup(params, info, comm_fusion) if params else None
     _move_buffers(module, device)
-    state = HSDPState(module, group, mp_policy, reshard_after_forward, ignored)
+    post_forward = None
+    if group is not None and not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
+        post_forward = post_forward_mesh(info, reshard_after_forward)
+    state = HSDPState(module, group, mp_policy, reshard_after_forward, ignored, post_forward)
     module.__dict__[STATE_ATTR] = state
     module.__class__ = _hsdp_class(type(module))
     return module
@@ -399,7 +596,7 @@ def _apply(
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
     for sub in module.modules():
         for name, buf in sub._buffers.items():
-            if buf is not None and buf.device != device:
+            if buf is not None and buf.device != device and not buf.is_meta:  # meta: to_empty() places it
                 sub._buffers[name] = buf.to(device)
 
 

@@ -22,4 +22,3 @@ def current_device(device_type: str) -> torch.device:
     if device_type == CPU:
         return torch.device(CPU)
     return torch.device(device_type, torch.accelerator.current_device_index())
-

@@ -13,7 +13,9 @@ the plan means it (HSDP grads reduce-scattered within the replica group and usab
 FSDP2 instead holds the partial result back and leaves ``.grad`` unset until an all-reducing
 backward, a gradient-accumulation device), uneven shards on dims other than 0 (FSDP2 refuses them),
 and refusing every bad argument before any change
-(FSDP2 checks some, not all: ``CPUOffloadPolicy(pin_memory="yes")`` is accepted).
+(FSDP2 checks some, not all: ``CPUOffloadPolicy(pin_memory="yes")`` is accepted), and
+``set_gradient_scaling_factor`` (upstream HyperParallel's own). On a gloo process group it also
+lacks ``set_gradient_divide_factor`` without force-sum (see ``LACKING_ON_GLOO``).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import fsdp
 from torch.distributed.tensor import Replicate, Shard
 
+from tests.kit.devices import CPU_BACKEND, choose
 from tests.kit.surface import FEATURES, Implementation, Spec
 
 LACKING = {
@@ -38,7 +42,18 @@ LACKING = {
     "all_reduce_control",
     "argument_checks",
     "uneven_other_dims",
+    "gradient_scaling_factor",
 }
+# Lacking on a gloo process group: FSDP2's set_gradient_divide_factor(f) without force-sum reduces
+# with ReduceOp.PREMUL_SUM(1/f) (_fsdp_collectives._get_gradient_divide_factors, any f but the shard
+# group's size), which gloo refuses: "Cannot use ReduceOp.PREMUL_SUM with Gloo". With force-sum it
+# works (sum, then a division): the set_reduce_op_type shim below relies on that.
+LACKING_ON_GLOO = {"gradient_divide_factor"}
+
+
+def _backend() -> str:
+    """The backend of this process group, or the one the kit would choose here before there is one."""
+    return dist.get_backend() if dist.is_initialized() else choose(None, 1)[1]
 
 
 def MixedPrecisionPolicy(  # noqa: N802 - the API's class name
@@ -72,7 +87,7 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: Any = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
     mp_policy: fsdp.MixedPrecisionPolicy | None = None,
     offload_policy: fsdp.OffloadPolicy | None = None,
@@ -121,7 +136,6 @@ class TorchFSDP2(Implementation):
     """torch FSDP2 behind the HyperParallel names; torch's mesh and tensor types."""
 
     name = "torch-fsdp2"
-    features = frozenset(FEATURES) - LACKING
     Shard = Shard
     Replicate = Replicate
 
@@ -132,8 +146,15 @@ class TorchFSDP2(Implementation):
         self.MixedPrecisionPolicy = MixedPrecisionPolicy
         self.OffloadPolicy = fsdp.OffloadPolicy
         self.CPUOffloadPolicy = fsdp.CPUOffloadPolicy
+        self.register_fsdp_forward_method = fsdp.register_fsdp_forward_method
         if not hasattr(fsdp.FSDPModule, "set_reduce_op_type"):
             fsdp.FSDPModule.set_reduce_op_type = _set_reduce_op_type
+
+    @property
+    def features(self) -> frozenset[str]:
+        """All but ``LACKING``, and on gloo but ``LACKING_ON_GLOO`` too."""
+        lacking = LACKING | (LACKING_ON_GLOO if _backend() == CPU_BACKEND else set())
+        return frozenset(FEATURES) - lacking
 
 
 def load(spec: Spec) -> TorchFSDP2:

@@ -3,6 +3,7 @@ another checkout of it): the API is taken as it is."""
 
 from __future__ import annotations
 
+from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from tests.kit.surface import Implementation, Spec, import_package
@@ -23,9 +24,15 @@ class Native(Implementation):
         self.MixedPrecisionPolicy = package.MixedPrecisionPolicy
         self.OffloadPolicy = package.OffloadPolicy
         self.CPUOffloadPolicy = package.CPUOffloadPolicy
+        self.register_fsdp_forward_method = getattr(package, "register_fsdp_forward_method", _not_in_package)
         declared = getattr(package, "HPKIT_FEATURES", None)  # a package may declare less than all
         if declared is not None:
             self.features = frozenset(declared)
+
+
+def _not_in_package(module: nn.Module, method_name: str) -> None:
+    """Stands in for a package without ``register_fsdp_forward_method``: refused, named."""
+    raise NotImplementedError("register_fsdp_forward_method: this hyper_parallel package does not export it")
 
 
 def load(spec: Spec) -> Native:

@@ -78,6 +78,21 @@ LACKING: dict[str, str] = {
     "and get_model_state_dict)",
     "pipeline": "upstream has its own PipelineStage / schedules, not torch.distributed.pipelining stages",
     "clip_grad_norm": "upstream's DTensor has no layout rule for norm; upstream offers no grad clipping",
+    # FSDP2 usages (L0-FSDP2-*), none in this snapshot (core/fully_shard/api.py, platform/torch/fully_shard/)
+    "deferred_init": "loading a state dict into the materialised model goes through torch.distributed.checkpoint's "
+    "set_model_state_dict / dcp.load, which do not know upstream's DTensor (see dcp)",
+    "reset_parameters": "it runs after module.to_empty, and HSDPModule has no _apply override re-registering the "
+    "sharded params after it (see to_dtype)",
+    "reshard_int": "reshard_after_forward as an int is a TODO in TorchHSDPStateV2.reshard (platform/torch/"
+    "fully_shard/state.py: 'we do not consider reshard_after_forward as an int, only True/False')",
+    "to_dtype": "HSDPModule has no _apply override (FSDP2's reshards, then re-registers the sharded params "
+    "after module.to(dtype) / to_empty)",
+    "forward_method": "no register_fsdp_forward_method",
+    "all_reduce_hook": "HSDPModule has no set_all_reduce_hook",
+    "unshard_in_backward": "HSDPModule has no set_unshard_in_backward",
+    "gradient_divide_factor": "HSDPModule has no set_gradient_divide_factor (its set_reduce_op_type is the nearest)",
+    "force_sum_reduction": "HSDPModule has no set_force_sum_reduction_for_comms",
+    "gradient_scaling_factor": "HSDPModule.set_gradient_scaling_factor is newer than this snapshot",
 }
 
 
@@ -139,6 +154,10 @@ class Upstream(Implementation):
         if kwargs.get("device") is None:
             kwargs["device"] = _device_of_backend()
         return self._fully_shard(module, **kwargs)
+
+    def register_fsdp_forward_method(self, module: nn.Module, method_name: str) -> None:
+        """Upstream has none (``forward_method`` is in ``LACKING``): refused, named."""
+        raise NotImplementedError("register_fsdp_forward_method: upstream HyperParallel has none")
 
     # -- meshes ------------------------------------------------------------------------------
     def init_mesh(self, device_type: str, shape: tuple[int, ...], dim_names: tuple[str, ...]) -> Any:

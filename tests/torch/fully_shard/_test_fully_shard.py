@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,6 +26,7 @@ from tests.kit.training import (
     named_params,
     record_params,
     shard_nested,
+    shared_tmpdir,
     square_mean,
     train_against,
 )
@@ -300,13 +299,6 @@ def tensor_parallel(ctx: CaseContext) -> None:
     train_against(ctx, model, ddp, batches, square_mean, ctx.tol, make_optimizer=sgd)
 
 
-def _shared_tmpdir() -> str:
-    """A fresh directory made by rank 0, its path known to every rank."""
-    path = [tempfile.mkdtemp(prefix="hpkit_dcp_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    return path[0]
-
-
 def _leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     """(path, value) of every leaf of a nested state dict, in a stable order."""
     if isinstance(tree, dict):
@@ -365,17 +357,12 @@ def dcp_round_trip(ctx: CaseContext) -> None:
         "fresh model differs from the saved one before loading",
         any(not torch.equal(full(a), full(b)) for a, b in zip(fresh.parameters(), model.parameters(), strict=True)),
     )
-    path = _shared_tmpdir()
-    try:
+    with shared_tmpdir() as path:
         dcp.save({"model": saved_model, "optim": saved_optim}, checkpoint_id=path)
         fresh_model_sd, fresh_optim_sd = get_state_dict(fresh, fresh_opt)
         state = {"model": fresh_model_sd, "optim": fresh_optim_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    finally:
-        dist.barrier()
-        if ctx.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
 
     loaded_model, loaded_optim = get_state_dict(fresh, fresh_opt)
     _record_bitwise(ctx, "loaded params", loaded_model, saved_model)

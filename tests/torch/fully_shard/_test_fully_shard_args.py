@@ -131,8 +131,8 @@ FULLY_SHARD = [
     Refusal("a module sharded already", lambda m, c: impl.fully_shard(m.layers[0], mesh=c.mesh), "already"),
     Refusal("mesh of the wrong type", lambda m, c: impl.fully_shard(m, mesh="cpu"), "mesh"),
     Refusal("a 3-D mesh", lambda m, c: impl.fully_shard(m, mesh=_mesh3d(c)), "mesh"),
-    Refusal(
-        "reshard_after_forward=2", lambda m, c: impl.fully_shard(m, mesh=c.mesh, reshard_after_forward=2), "reshard"
+    Refusal(  # an int must divide the shard dim's 2 ranks (2 itself means True: FSDP2's reading)
+        "reshard_after_forward=3", lambda m, c: impl.fully_shard(m, mesh=c.mesh, reshard_after_forward=3), "reshard"
     ),
     Refusal(
         "shard_placement_fn not callable",

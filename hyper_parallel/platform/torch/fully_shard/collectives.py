@@ -11,15 +11,16 @@ so a recorder that wraps them observes what this engine communicates.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from .mesh_info import MeshInfo
-from .param import HSDPParam
+from .param import HSDPParam, RowLayout
 
 REDUCE_OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}
 
@@ -45,6 +46,15 @@ def _reduce_scatter_flat(
     return scatter(output, input, op=op, group=group, async_op=True)
 
 
+def separate_group(group: ProcessGroup, made: dict[tuple[int, ...], ProcessGroup]) -> ProcessGroup:
+    """A new process group over ``group``'s ranks (one per rank set in ``made``), made by those ranks
+    alone (``use_local_synchronization``), for reduce-scatters apart from the all-gathers."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in made:
+        made[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return made[ranks]
+
+
 # -- all-gather ------------------------------------------------------------------------------
 @dataclass
 class AllGather:
@@ -61,6 +71,7 @@ class AllGather:
     outputs: list[torch.Tensor | None]
     fused: bool
     done: bool = False
+    post_forward: bool = False  # gathering the pieces kept after forward (reshard_after_forward=int)
     keepers: list[Any] = field(default_factory=list)  # version keepers of params gathered in place
     # each param's shard version when its shard was read (at issue): an optimizer step between the
     # issue and the wait leaves the gathered copy stale, and the next unshard must see that (a
@@ -88,53 +99,70 @@ class AllGather:
         else:
             for param, out in zip(self.params, self.outputs, strict=True):
                 if out is not None:
-                    param.copy_gathered_out(out.view(param.world, -1))
+                    layout = self._layout(param)
+                    param.copy_gathered_out(out.view(layout.world, -1), layout)
         for param, version in zip(self.params, self.versions, strict=True):
             param.note_gathered(version)
         self.done = True
 
+    def _layout(self, param: HSDPParam) -> RowLayout:
+        return param.gather_source(self.post_forward)[0]
+
     def _copy_out_fused(self) -> None:
         (output,) = self.outputs
-        rows = output.view(self.params[0].world, -1)
+        rows = output.view(self._layout(self.params[0]).world, -1)
         offset = 0
         for param in self.params:
-            param.copy_gathered_out(rows[:, offset : offset + param.padded_shard_numel])
-            offset += param.padded_shard_numel
+            layout = self._layout(param)
+            param.copy_gathered_out(rows[:, offset : offset + layout.padded_numel], layout)
+            offset += layout.padded_numel
 
 
-def start_all_gather(params: Sequence[HSDPParam], mesh_info: MeshInfo, fused: bool, async_op: bool) -> AllGather:
-    """Start gathering the sharded params. An unsharded param is allocated when it is filled: now
-    when it is replicated or gathered in place, else when the gather is waited for (so a prefetched
-    gather holds only its buffers until then)."""
-    replicated = [p for p in params if p.is_replicated]
-    sharded = [p for p in params if not p.is_replicated]
-    for param in replicated:
+def start_all_gather(
+    params: Sequence[HSDPParam],
+    mesh_info: MeshInfo,
+    fused: bool,
+    async_op: bool,
+    post_forward: ProcessGroup | None = None,
+) -> AllGather:
+    """Start gathering the sharded params (with ``post_forward``, the pieces kept after forward,
+    within that smaller group). An unsharded param is allocated when it is filled: now when it is
+    replicated, gathered in place or its group has one rank, else when the gather is waited for (so
+    a prefetched gather holds only its buffers until then)."""
+    # whole on every rank (replicated, or a one-rank shard group): a copy, or the shard itself
+    whole = [p for p in params if p.is_whole]
+    sharded = [p for p in params if not p.is_whole]
+    for param in whole:
         param.alloc_unsharded()
         param.copy_replicated_in()
         param.note_gathered()
+    group = post_forward or mesh_info.shard_group
+    is_post_forward = post_forward is not None
     if not sharded:
         return AllGather(sharded, [], [], fused, done=True)
-    group = mesh_info.shard_group
     if fused and len(sharded) > 1:
-        return _start_fused_all_gather(sharded, group, async_op)
+        return _start_fused_all_gather(sharded, group, async_op, is_post_forward)
     works, outputs, keepers = [], [], []
     for param in sharded:
-        send = torch.empty(param.padded_shard_numel, dtype=param.param_dtype, device=param.device)
-        param.copy_shard_into(send)
-        if param.rank_major:
+        layout = param.gather_source(is_post_forward)[0]
+        send = torch.empty(layout.padded_numel, dtype=param.param_dtype, device=param.device)
+        param.copy_shard_into(send, is_post_forward)
+        if layout.rank_major:
             param.alloc_unsharded()
             keepers.append(param.hidden_writes())  # the version now, restored when waited for
             recv = param.unsharded_local.detach().view(-1)
             works.append(_all_gather_flat(recv, send, group, async_op))
             outputs.append(None)
             continue
-        recv = torch.empty(param.world * param.padded_shard_numel, dtype=param.param_dtype, device=param.device)
+        recv = torch.empty(layout.world * layout.padded_numel, dtype=param.param_dtype, device=param.device)
         works.append(_all_gather_flat(recv, send, group, async_op))
         outputs.append(recv)
-    return AllGather(sharded, works, outputs, fused=False, keepers=keepers)
+    return AllGather(sharded, works, outputs, fused=False, keepers=keepers, post_forward=is_post_forward)
 
 
-def _start_fused_all_gather(params: Sequence[HSDPParam], group: dist.ProcessGroup, async_op: bool) -> AllGather:
+def _start_fused_all_gather(
+    params: Sequence[HSDPParam], group: ProcessGroup, async_op: bool, post_forward: bool
+) -> AllGather:
     dtypes = {p.param_dtype for p in params}
     if len(dtypes) != 1:
         raise ValueError(
@@ -143,31 +171,65 @@ def _start_fused_all_gather(params: Sequence[HSDPParam], group: dist.ProcessGrou
         )
     (dtype,) = dtypes
     device = params[0].device
-    total = sum(p.padded_shard_numel for p in params)
-    recv = torch.empty(params[0].world * total, dtype=dtype, device=device)
+    sources = [p.gather_source(post_forward) for p in params]
+    total = sum(layout.padded_numel for layout, _, _ in sources)
+    world, rank = sources[0][0].world, sources[0][2]
+    recv = torch.empty(world * total, dtype=dtype, device=device)
     # this rank's part of the output is the input: no separate send buffer
-    send = recv.narrow(0, params[0].mesh_info.shard_rank * total, total)
+    send = recv.narrow(0, rank * total, total)
     offset = 0
-    for param in params:
-        param.copy_shard_into(send[offset : offset + param.padded_shard_numel])
-        offset += param.padded_shard_numel
+    for param, (layout, _, _) in zip(params, sources, strict=True):
+        param.copy_shard_into(send[offset : offset + layout.padded_numel], post_forward)
+        offset += layout.padded_numel
     work = _all_gather_flat(recv, send, group, async_op)
-    return AllGather(params, [work], [recv], fused=True)
+    return AllGather(params, [work], [recv], fused=True, post_forward=post_forward)
 
 
 # -- reductions ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReduceSettings:
+    """How a group's gradients are reduced: its HSDPModule controls, read when a reduction starts.
+
+    The reduced grad is the sum over the data-parallel ranks divided by the divide factor when one
+    is set (FSDP2's ``set_gradient_divide_factor``), else averaged (``"avg"``) or summed
+    (``"sum"``); then the all-reduce hook sees it, and the scaling factor (upstream's
+    ``set_gradient_scaling_factor``) multiplies it before it lands in the grad."""
+
+    op_type: str = "avg"
+    divide_factor: float | None = None
+    force_sum: bool = False  # set_force_sum_reduction_for_comms: SUM collectives, then a division
+    scaling_factor: float | torch.Tensor | None = None
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    all_reduce_replicas: bool = True
+
+    def arithmetic(self, ranks: int) -> tuple[float | None, dist.ReduceOp, float | None]:
+        """(scale before, collective op, divisor after) for a reduction over ``ranks`` ranks."""
+        if self.divide_factor is not None:
+            if self.force_sum:
+                return None, dist.ReduceOp.SUM, self.divide_factor
+            # FSDP2 multiplies inside the collective (NCCL's PreMulSum, which gloo lacks): scale, then SUM
+            return 1.0 / self.divide_factor, dist.ReduceOp.SUM, None
+        if self.op_type == "sum":
+            return None, dist.ReduceOp.SUM, None
+        if self.force_sum:
+            return None, dist.ReduceOp.SUM, float(ranks)
+        return None, REDUCE_OPS[self.op_type], None
+
+
 @dataclass
 class Reduction:
     """Gradient reductions in flight for some params of one group.
 
     ``wait`` finishes the reduce-scatter / all-reduce over the shard dim, runs the
-    all-reduce over the replicate dim (HSDP) and accumulates the results into the
-    sharded grads.
+    all-reduce over the replicate dim (HSDP), the all-reduce hook, the division and the scaling
+    the settings ask for, and accumulates the results into the sharded grads.
     """
 
     mesh_info: MeshInfo
     op: dist.ReduceOp
     all_reduce_replicas: bool
+    settings: ReduceSettings = field(default_factory=ReduceSettings)
+    divide_after: float | None = None
     # (params, flat output, work) per collective issued over the shard dim
     pieces: list[tuple[list[HSDPParam], torch.Tensor, dist.Work | None]] = field(default_factory=list)
     done: bool = False
@@ -177,13 +239,15 @@ class Reduction:
             return
         for _, _, work in self.pieces:
             _wait(work)
-        if self.all_reduce_replicas and self.mesh_info.is_hsdp:
+        if self.all_reduce_replicas and self.mesh_info.is_hsdp and self.mesh_info.replicate_size > 1:
             works = [
                 dist.all_reduce(output, op=self.op, group=self.mesh_info.replicate_group, async_op=True)
                 for _, output, _ in self.pieces
             ]
             for work in works:
                 _wait(work)
+        for _, output, _ in self.pieces:
+            self._finish(output)
         for params, output, _ in self.pieces:
             offset = 0
             for param in params:
@@ -193,24 +257,35 @@ class Reduction:
         self.pieces.clear()
         self.done = True
 
+    def _finish(self, output: torch.Tensor) -> None:
+        """The user's hook on the reduced output, then the division and the scaling asked for."""
+        if self.settings.all_reduce_hook is not None:
+            self.settings.all_reduce_hook(output)
+        if self.divide_after is not None and self.divide_after != 1:
+            output.div_(self.divide_after)
+        if self.settings.scaling_factor is not None:
+            output.mul_(self.settings.scaling_factor)
+
 
 def start_reduction(
     params: Sequence[HSDPParam],
     mesh_info: MeshInfo,
     fused: bool,
-    op_name: str,
-    all_reduce_replicas: bool,
+    settings: ReduceSettings,
+    reduce_scatter_group: ProcessGroup | None = None,
 ) -> Reduction:
     """Start reducing the unreduced grads of ``params`` (each must have one) over the mesh."""
-    op = REDUCE_OPS[op_name]
-    reduction = Reduction(mesh_info, op, all_reduce_replicas)
+    replicas = settings.all_reduce_replicas and mesh_info.is_hsdp
+    ranks = mesh_info.shard_size * (mesh_info.replicate_size if replicas else 1)
+    scale_before, op, divide_after = settings.arithmetic(ranks)
+    reduction = Reduction(mesh_info, op, settings.all_reduce_replicas, settings, divide_after)
     sharded = [p for p in params if not p.is_replicated]
     replicated = [p for p in params if p.is_replicated]
     group = mesh_info.shard_group
     for batch in _batches(sharded, fused):
-        reduction.pieces.append(_start_reduce_scatter(batch, group, op))
+        reduction.pieces.append(_start_reduce_scatter(batch, reduce_scatter_group or group, op, scale_before))
     for batch in _batches(replicated, fused):
-        reduction.pieces.append(_start_all_reduce(batch, group, op))
+        reduction.pieces.append(_start_all_reduce(batch, group, op, scale_before))
     for param in params:
         param.unreduced_grad = None
     return reduction
@@ -227,7 +302,7 @@ def _batches(params: list[HSDPParam], fused: bool) -> list[list[HSDPParam]]:
 
 
 def _start_reduce_scatter(
-    params: list[HSDPParam], group: dist.ProcessGroup, op: dist.ReduceOp
+    params: list[HSDPParam], group: ProcessGroup, op: dist.ReduceOp, scale_before: float | None
 ) -> tuple[list[HSDPParam], torch.Tensor, dist.Work | None]:
     dtype, device, world = params[0].reduce_dtype, params[0].device, params[0].world
     total = sum(p.padded_shard_numel for p in params)
@@ -243,17 +318,25 @@ def _start_reduce_scatter(
             param.copy_grad_into(send[:, offset : offset + numel], param.unreduced_grad)
             offset += numel
         send = send.view(-1)
+    if scale_before is not None:
+        send.mul_(scale_before)
+    if world == 1:  # one rank: its grad is the reduced grad, no collective
+        return params, send, None
     recv = torch.empty(total, dtype=dtype, device=device)
     work = _reduce_scatter_flat(recv, send, op, group)
     return params, recv, work
 
 
 def _start_all_reduce(
-    params: list[HSDPParam], group: dist.ProcessGroup, op: dist.ReduceOp
+    params: list[HSDPParam], group: ProcessGroup, op: dist.ReduceOp, scale_before: float | None
 ) -> tuple[list[HSDPParam], torch.Tensor, dist.Work | None]:
     if len(params) == 1:
         flat = params[0].unreduced_grad.contiguous().view(-1)
     else:
         flat = torch.cat([p.unreduced_grad.reshape(-1) for p in params])
+    if scale_before is not None:
+        flat.mul_(scale_before)
+    if group.size() == 1:
+        return params, flat, None
     work = dist.all_reduce(flat, op=op, group=group, async_op=True)
     return params, flat, work

@@ -56,3 +56,28 @@ def mesh_info_of(mesh: DeviceMesh) -> MeshInfo:
 def device_of(mesh: DeviceMesh) -> torch.device:
     """The compute device this rank uses for a mesh of the given device type."""
     return current_device(mesh.device_type)
+
+
+@dataclass(frozen=True)
+class PostForwardMesh:
+    """Where ``reshard_after_forward=k`` keeps params after forward: the mesh's ranks in rows of k
+    consecutive ranks (dim 1 shards within a row), and this rank's row as a process group."""
+
+    mesh: DeviceMesh
+    group: ProcessGroup
+    size: int
+
+
+_POST_FORWARD_ATTR = "_hsdp_post_forward_meshes"
+
+
+def post_forward_mesh(mesh_info: MeshInfo, size: int) -> PostForwardMesh:
+    """The post-forward mesh of ``size`` ranks per row over ``mesh_info``'s mesh. Made once per mesh
+    and size (making one is a collective of the mesh's ranks) and kept on the mesh object itself, so
+    it lives and dies with the process groups it was made from."""
+    per_mesh = mesh_info.mesh.__dict__.setdefault(_POST_FORWARD_ATTR, {})
+    if size not in per_mesh:
+        rows = mesh_info.mesh.mesh.reshape(-1, size)
+        mesh = DeviceMesh(mesh_info.mesh.device_type, rows)
+        per_mesh[size] = PostForwardMesh(mesh, mesh.get_group(1), size)
+    return per_mesh[size]

@@ -16,6 +16,7 @@ recomputation) see the refilled data without re-registering anything.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -59,6 +60,41 @@ def set_module_param(module: nn.Module, name: str, param: torch.Tensor) -> None:
         setattr(module, name, param)
 
 
+@dataclass(frozen=True)
+class RowLayout:
+    """The rows of one param's shard dim cut over ``world`` ranks like ``torch.chunk``: ``rows[r]``
+    rows on rank ``r``, each padded to ``chunk`` rows (``padded_shape``) to communicate."""
+
+    dim: int
+    world: int
+    chunk: int
+    rows: tuple[int, ...]
+    padded_shape: torch.Size
+
+    @classmethod
+    def cut(cls, full_shape: torch.Size, dim: int, world: int) -> RowLayout:
+        """``full_shape``'s dim ``dim`` cut over ``world`` ranks."""
+        total = full_shape[dim]
+        chunk = math.ceil(total / world) if total else 0
+        rows = tuple(max(0, min(total, (rank + 1) * chunk) - rank * chunk) for rank in range(world))
+        padded = list(full_shape)
+        padded[dim] = chunk
+        return cls(dim, world, chunk, rows, torch.Size(padded))
+
+    @property
+    def padded_numel(self) -> int:
+        return math.prod(self.padded_shape)
+
+    @property
+    def rank_major(self) -> bool:
+        """Dim-0 cuts without padding: the full tensor is the shards back to back, in rank order."""
+        return self.dim == 0 and self.chunk * self.world == sum(self.rows)
+
+    def narrow(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s rows of the full tensor."""
+        return full.narrow(self.dim, min(rank * self.chunk, full.shape[self.dim]), self.rows[rank])
+
+
 class HSDPParam:
     """A param of one group, placed ``Shard(dim)`` or ``Replicate()`` on the shard mesh dim."""
 
@@ -75,6 +111,8 @@ class HSDPParam:
         self.slots = slots
         self.mesh_info = mesh_info
         self.device = device
+        self.mp_policy = mp_policy
+        self.offload_to_cpu = offload_to_cpu
         self._init_tensor_parallel(param)
         # What this engine shards and gathers: the param itself, or its TP-local tensor.
         self.full_shape = self._tp_local(param).shape
@@ -94,6 +132,10 @@ class HSDPParam:
         self.padded_shard_shape = self._shard_shape(self.chunk)
         self.padded_shard_numel = math.prod(self.padded_shard_shape)
         self._rows = [self._count_rows(rank) for rank in range(world)]
+        self.layout = RowLayout(self.dim, world, self.chunk, tuple(self._rows), self.padded_shard_shape)
+        # reshard_after_forward=int: the rows this rank keeps after forward, cut over that many ranks
+        self.post_forward_layout: RowLayout | None = None
+        self.post_forward_shard: torch.Tensor | None = None
         self._init_sharded(param)
         self._init_unsharded(param)
         # Grads taken off the unsharded param and not yet reduced (accumulation without sync).
@@ -146,6 +188,11 @@ class HSDPParam:
         return max(0, min(total, (rank + 1) * self.chunk) - rank * self.chunk)
 
     @property
+    def is_whole(self) -> bool:
+        """Every rank holds the whole param: replicated, or sharded over one rank."""
+        return self.is_replicated or self.world == 1
+
+    @property
     def has_padding(self) -> bool:
         return not self.is_replicated and self.chunk * self.world != self.full_shape[self.dim]
 
@@ -157,10 +204,13 @@ class HSDPParam:
                 rank = self.mesh_info.shard_rank
                 start = min(rank * self.chunk, self.full_shape[self.dim])  # empty chunks at the end
                 src = src.narrow(self.dim, start, self.rows_of(rank))
-            local = torch.empty(src.shape, dtype=src.dtype, device=self.shard_device)
-            if self.pin_memory:
-                local = local.pin_memory()
-            local.copy_(src)
+            if src.is_meta:  # deferred init: the shard stays on meta until to_empty() materialises it
+                local = torch.empty(src.shape, dtype=src.dtype, device="meta")
+            else:
+                local = torch.empty(src.shape, dtype=src.dtype, device=self.shard_device)
+                if self.pin_memory:
+                    local = local.pin_memory()
+                local.copy_(src)
             placement = Replicate() if self.is_replicated else Shard(self.dim)
             self.sharded_mesh, self.placements = self._sharded_layout(placement)
             dtensor = self.to_dtensor(local)
@@ -193,14 +243,60 @@ class HSDPParam:
         for module, name in self.slots:
             set_module_param(module, name, self.sharded_param)
 
+    def use_post_forward(self, mesh: DeviceMesh) -> None:
+        """Register the rows kept after forward (``reshard_after_forward=int``) as a DTensor on the
+        post-forward mesh (replicated over its groups, sharded within one), as FSDP2 registers them."""
+        if self.tp_mesh is not None or self.post_forward_shard is None:
+            self.use_sharded()  # a TP param stays registered as its dp shard
+            return
+        view = DTensor.from_local(
+            self.post_forward_shard,
+            mesh,
+            (Replicate(), Shard(self.dim)),
+            run_check=False,
+            shape=self.global_shape,
+            stride=_contiguous_stride(self.global_shape),
+        )
+        param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
+        for module, name in self.slots:
+            set_module_param(module, name, param)
+
+    def refresh_after_apply(self) -> None:
+        """Follow what ``nn.Module._apply`` (``to``, ``to_empty``, ``double``, ...) did to the sharded
+        param: it swaps the DTensor's contents in place, so its dtype and device are read back here,
+        the offload policy is applied again, and the unsharded copy is rebuilt to match."""
+        local = self.local_shard
+        if self.offload_to_cpu is not None and not local.is_meta and local.device.type != "cpu":
+            local = local.cpu()
+            if self.pin_memory:
+                local = local.pin_memory()
+            self.sharded_param._local_tensor = local
+        floating = local.is_floating_point()
+        self.orig_dtype = local.dtype
+        self.param_dtype = (self.mp_policy.param_dtype if floating else None) or local.dtype
+        self.reduce_dtype = (self.mp_policy.reduce_dtype if floating else None) or self.param_dtype
+        if not local.is_meta:
+            self.shard_device = local.device
+        if self.use_main_grad:  # _apply swapped the grad too; the main grad is that tensor again
+            self.sharded_param.main_grad = self.sharded_param.grad
+        self.unreduced_grad = None
+        self.post_forward_shard = None
+        self._init_unsharded(self.sharded_param)
+        self._gathered_version = (-1, -1)
+
     # -- unsharded side -------------------------------------------------------------------
     def _init_unsharded(self, param: nn.Parameter) -> None:
         # A replicated param that needs no cast nor move is its own compute param: no copy.
         self.aliases_shard = (
-            self.is_replicated and self.param_dtype == self.orig_dtype and self.shard_device == self.device
+            self.is_whole
+            and self.param_dtype == self.orig_dtype
+            and self.local_shard.device == self.device
+            and not self.local_shard.is_meta
         )
         if self.aliases_shard:
             data = self.local_shard
+        elif self.local_shard.is_meta:
+            data = torch.empty(self.full_shape, dtype=self.param_dtype, device="meta")
         else:
             data = torch.empty(self.full_shape, dtype=self.param_dtype, device=self.device)
             _free_storage(data)
@@ -242,17 +338,26 @@ class HSDPParam:
         return torch.autograd._unsafe_preserve_version_counter(self.unsharded_local)
 
     def copy_replicated_in(self) -> None:
-        """Unshard a replicated param: a cast/move copy of the full local tensor."""
+        """Unshard a whole param (replicated, or one rank's): a cast/move copy of the local tensor."""
         if not self.aliases_shard:
             with torch.no_grad(), self.hidden_writes():
                 self.unsharded_local.copy_(self.local_shard)
 
-    def copy_shard_into(self, flat: torch.Tensor) -> None:
+    def gather_source(self, post_forward: bool) -> tuple[RowLayout, torch.Tensor, int]:
+        """What an all-gather sends: the layout, this rank's piece and its index in the gather's group
+        (the shard over the shard group; after an int ``reshard_after_forward``, the piece kept)."""
+        if post_forward:
+            layout = self.post_forward_layout
+            return layout, self.post_forward_shard, self.mesh_info.shard_rank % layout.world
+        return self.layout, self.local_shard, self.mesh_info.shard_rank
+
+    def copy_shard_into(self, flat: torch.Tensor, post_forward: bool = False) -> None:
         """Write this rank's shard, cast to the compute dtype, into an all-gather input."""
-        rows = self.rows_of(self.mesh_info.shard_rank)
+        layout, piece, rank = self.gather_source(post_forward)
+        rows = layout.rows[rank]
         if rows:
-            view = flat.view(self.padded_shard_shape).narrow(self.dim, 0, rows)
-            view.copy_(self.local_shard)
+            view = flat.view(layout.padded_shape).narrow(layout.dim, 0, rows)
+            view.copy_(piece)
 
     @property
     def rank_major(self) -> bool:
@@ -260,19 +365,33 @@ class HSDPParam:
         it is all-gathered straight into the unsharded param and reduce-scattered as it is."""
         return not self.is_replicated and self.dim == 0 and not self.has_padding
 
-    def copy_gathered_out(self, gathered: torch.Tensor) -> None:
+    def copy_gathered_out(self, gathered: torch.Tensor, layout: RowLayout | None = None) -> None:
         """Allocate and fill the unsharded param from an all-gather output viewed as [world, padded numel]."""
+        layout = layout or self.layout
         self.alloc_unsharded()
         with torch.no_grad(), self.hidden_writes():
-            if self.rank_major:
-                self.unsharded_local.view(self.world, -1).copy_(gathered)
+            if layout.rank_major:
+                self.unsharded_local.view(layout.world, -1).copy_(gathered)
                 return
-            for rank in range(self.world):
-                rows = self.rows_of(rank)
+            for rank in range(layout.world):
+                rows = layout.rows[rank]
                 if rows:
-                    src = gathered[rank].view(self.padded_shard_shape).narrow(self.dim, 0, rows)
-                    dst = self.unsharded_local.narrow(self.dim, rank * self.chunk, rows)
+                    src = gathered[rank].view(layout.padded_shape).narrow(layout.dim, 0, rows)
+                    dst = self.unsharded_local.narrow(layout.dim, rank * layout.chunk, rows)
                     dst.copy_(src)
+
+    # -- reshard_after_forward=int ----------------------------------------------------------
+    def keep_post_forward_shard(self, world: int) -> None:
+        """Keep this rank's rows of the unsharded param cut over ``world`` ranks (a divisor of the
+        shard group), so backward gathers within that smaller group."""
+        if self.post_forward_layout is None or self.post_forward_layout.world != world:
+            self.post_forward_layout = RowLayout.cut(self.full_shape, self.dim, world)
+        rank = self.mesh_info.shard_rank % world
+        with torch.no_grad():
+            self.post_forward_shard = self.post_forward_layout.narrow(self.unsharded_local, rank).clone()
+
+    def drop_post_forward_shard(self) -> None:
+        self.post_forward_shard = None
 
     # -- gradients ------------------------------------------------------------------------
     def take_unsharded_grad(self) -> None:
@@ -293,6 +412,12 @@ class HSDPParam:
             self.unreduced_grad = grad if grad.dtype == self.reduce_dtype else grad.to(self.reduce_dtype)
         else:
             self.unreduced_grad.add_(grad)
+
+    def give_zero_grad_if_unused(self) -> None:
+        """``set_reduce_scatter_unused_params``: a param backward gave no grad on this rank reduces
+        zeros, so every rank issues the same collectives whatever it used."""
+        if self.unreduced_grad is None and self.sharded_param.requires_grad:
+            self.unreduced_grad = torch.zeros(self.full_shape, dtype=self.reduce_dtype, device=self.device)
 
     def copy_grad_into(self, buffer: torch.Tensor, grad: torch.Tensor) -> None:
         """Write a full grad into a reduce-scatter input viewed as [world, padded numel]."""

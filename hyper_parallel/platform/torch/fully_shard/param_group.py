@@ -3,9 +3,12 @@
 Sharded-ness is a small state machine::
 
     SHARDED --unshard()--> UNSHARDING --wait--> UNSHARDED --reshard()--> SHARDED
+                                                   UNSHARDED --reshard_to(k)--> SHARDED_POST_FORWARD
+    SHARDED_POST_FORWARD --unshard()--> UNSHARDING (within groups of k ranks) / --reshard()--> SHARDED
 
 The module's registered params follow it: the sharded DTensors while SHARDED, the
-unsharded compute tensors once UNSHARDED. Gradient reductions are started in
+unsharded compute tensors once UNSHARDED, and after ``reshard_after_forward=k`` (an int) the
+rows each rank keeps among k ranks, so backward gathers within that smaller group. Gradient reductions are started in
 post-backward and finished (applied to the sharded grads) by ``finish_reductions``, which
 the end of the last backward calls; ``set_is_last_backward(False)`` defers that.
 """
@@ -14,13 +17,16 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-from .collectives import AllGather, Reduction, start_all_gather, start_reduction
-from .mesh_info import MeshInfo
+import torch
+
+from .collectives import AllGather, ReduceSettings, Reduction, start_all_gather, start_reduction
+from .mesh_info import MeshInfo, PostForwardMesh
 from .param import HSDPParam
 
 
 class ShardedState(Enum):
     SHARDED = auto()
+    SHARDED_POST_FORWARD = auto()
     UNSHARDING = auto()
     UNSHARDED = auto()
 
@@ -53,6 +59,14 @@ class HSDPParamGroup:
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.reduce_op = "avg"
+        self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction = False
+        self.gradient_scaling_factor: float | torch.Tensor | None = None
+        self.all_reduce_hook = None
+        self.unshard_in_backward = True
+        self.reduce_scatter_unused_params = False
+        self.reduce_scatter_group = None  # set_separate_reduce_scatter_group: its own process group
+        self._post_forward: PostForwardMesh | None = None  # where the last reshard_to kept its rows
 
     # -- unshard / reshard --------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
@@ -60,11 +74,15 @@ class HSDPParamGroup:
         shards changed since they were read (an optimizer step): then the copy is gathered again."""
         if self.state is ShardedState.UNSHARDING and self._all_gather.is_stale:
             self.wait_for_unshard()  # issued before the shards changed: finish it, then redo it
-        if self.state is ShardedState.UNSHARDED and self.is_stale:
+        if self.state in (ShardedState.UNSHARDED, ShardedState.SHARDED_POST_FORWARD) and self.is_stale:
             self.reshard()
-        if self.state is not ShardedState.SHARDED:
+        if self.state is ShardedState.SHARDED_POST_FORWARD:
+            group = self._post_forward.group
+            self._all_gather = start_all_gather(self.params, self.mesh_info, self.comm_fusion, async_op, group)
+        elif self.state is ShardedState.SHARDED:
+            self._all_gather = start_all_gather(self.params, self.mesh_info, self.comm_fusion, async_op=async_op)
+        else:
             return
-        self._all_gather = start_all_gather(self.params, self.mesh_info, self.comm_fusion, async_op=async_op)
         self.state = ShardedState.UNSHARDING
         if not async_op:
             self.wait_for_unshard()
@@ -75,6 +93,7 @@ class HSDPParamGroup:
         self._all_gather.wait()
         self._all_gather = None
         for param in self.params:
+            param.drop_post_forward_shard()
             param.use_unsharded()
         self.state = ShardedState.UNSHARDED
 
@@ -85,9 +104,24 @@ class HSDPParamGroup:
         if self.state is ShardedState.SHARDED:
             return
         for param in self.params:
+            param.drop_post_forward_shard()
             param.use_sharded()
             param.free_unsharded()
         self.state = ShardedState.SHARDED
+
+    def reshard_to(self, post_forward: PostForwardMesh) -> None:
+        """After forward with ``reshard_after_forward=k``: keep each param's rows cut over k ranks and
+        free the rest, so backward gathers within the smaller group."""
+        if self.state is not ShardedState.UNSHARDED:
+            self.reshard()
+            return
+        self._post_forward = post_forward
+        for param in self.params:
+            if not param.is_replicated:
+                param.keep_post_forward_shard(post_forward.size)
+            param.use_post_forward(post_forward.mesh)
+            param.free_unsharded()
+        self.state = ShardedState.SHARDED_POST_FORWARD
 
     @property
     def is_unsharded(self) -> bool:
@@ -109,21 +143,50 @@ class HSDPParamGroup:
         for param in self.params:
             param.take_unsharded_grad()
         if self.requires_gradient_sync:
+            if self.reduce_scatter_unused_params:
+                for param in self.params:
+                    param.give_zero_grad_if_unused()
             ready = [p for p in self.params if p.unreduced_grad is not None]
             if ready:
                 # Keep per-group order of accumulation: the previous reduction lands first.
                 self.finish_reductions()
                 self._reductions.append(
                     start_reduction(
-                        ready,
-                        self.mesh_info,
-                        self.comm_fusion,
-                        self.reduce_op,
-                        all_reduce_replicas=self.requires_all_reduce,
+                        ready, self.mesh_info, self.comm_fusion, self.reduce_settings, self.reduce_scatter_group
                     )
                 )
         if self.reshard_after_backward:
             self.reshard()
+
+    @property
+    def reduce_settings(self) -> ReduceSettings:
+        """The controls that decide the arithmetic of the next reduction."""
+        return ReduceSettings(
+            op_type=self.reduce_op,
+            divide_factor=self.gradient_divide_factor,
+            force_sum=self.force_sum_reduction,
+            scaling_factor=self.gradient_scaling_factor,
+            all_reduce_hook=self.all_reduce_hook,
+            all_reduce_replicas=self.requires_all_reduce,
+        )
+
+    def discard_iteration(self) -> None:
+        """``reset_iter_state``: finish in-flight gathers, reshard, drop in-flight and unreduced grads."""
+        self.reshard()
+        reductions, self._reductions = self._reductions, []
+        for reduction in reductions:
+            for _, _, work in reduction.pieces:
+                if work is not None:
+                    work.wait()
+        self.used_since_post_backward = False
+        for param in self.params:
+            param.unreduced_grad = None
+            param.unsharded_param.grad = None
+
+    def refresh_after_apply(self) -> None:
+        """After ``nn.Module._apply`` changed the sharded params' dtype or device."""
+        for param in self.params:
+            param.refresh_after_apply()
 
     def finish_reductions(self) -> None:
         """Wait for started reductions and accumulate them into the sharded grads."""

@@ -32,6 +32,7 @@ from torch.autograd import Variable
 
 from hyper_parallel.core.fully_shard.utils import MixedPrecisionPolicy
 
+from .mesh_info import PostForwardMesh
 from .param_group import HSDPParamGroup
 
 
@@ -79,6 +80,14 @@ class _IterationContext:
             return []
         return [target]
 
+    def forget(self) -> None:
+        """``reset_iter_state``: forget the iteration an exception aborted."""
+        for state in self.states_in_iteration:
+            state.training_state = TrainingState.IDLE
+        self.states_in_iteration.clear()
+        self.forward_order.clear()
+        self.final_callback_queued = False
+
     def queue_final_callback(self) -> None:
         if self.final_callback_queued:
             return
@@ -113,6 +122,13 @@ def state_of(module: torch.nn.Module) -> HSDPState | None:
 
 def _inside_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def _wait_on_event(event: Any) -> None:
+    """The current stream waits for ``event`` (recorded after the optimizer step). On the CPU there
+    are no streams: the step has finished when forward starts."""
+    if torch.accelerator.is_available() and event.device.type != "cpu":
+        torch.accelerator.current_stream(event.device).wait_event(event)
 
 
 def _map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
@@ -175,8 +191,12 @@ class HSDPState:
         mp_policy: MixedPrecisionPolicy,
         reshard_after_forward: bool | None,
         ignored_param_ids: set[int],
+        post_forward: PostForwardMesh | None = None,
     ) -> None:
         self.module = module
+        # reshard_after_forward=int: the smaller mesh params are kept on after forward
+        self.post_forward = post_forward
+        self.post_optim_event: Any = None  # set_post_optim_event: the root's next forward waits on it
         self.ignored_param_ids = ignored_param_ids  # nested fully_shard calls skip these too
         self.param_group = param_group
         self.mp_policy = mp_policy
@@ -233,6 +253,9 @@ class HSDPState:
         if not recomputing:
             if self.is_root is None:
                 self._become_root()
+            if self.post_optim_event is not None:
+                _wait_on_event(self.post_optim_event)
+                self.post_optim_event = None
             self.training_state = TrainingState.FORWARD
         if self.mp_policy.cast_forward_inputs:
             args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
@@ -259,7 +282,10 @@ class HSDPState:
         recomputing = self.training_state is TrainingState.PRE_BACKWARD or _inside_backward()
         if not recomputing:
             if self.param_group is not None and self._reshards_after_forward():
-                self.param_group.reshard()
+                if self.post_forward is not None:
+                    self.param_group.reshard_to(self.post_forward)
+                else:
+                    self.param_group.reshard()
             self.training_state = TrainingState.IDLE
             if torch.is_grad_enabled():
                 ITERATION.forward_order[self] = ITERATION.forward_order.get(self, 0) + 1
@@ -273,7 +299,7 @@ class HSDPState:
     def _reshards_after_forward(self) -> bool:
         if self.reshard_after_forward is None:
             return not self.is_root  # the root's params are needed first in backward anyway
-        return self.reshard_after_forward
+        return bool(self.reshard_after_forward)  # an int (its post-forward mesh) reshards too
 
     def _become_root(self) -> None:
         """First forward of a module no sharded ancestor has run: it is a root, its sharded
@@ -285,9 +311,13 @@ class HSDPState:
                 state.is_root = False
 
     def prefetch(self) -> None:
-        """Start this group's all-gather early (explicit prefetch by another module)."""
-        if self.param_group is not None:
-            self.param_group.unshard(async_op=True)
+        """Start this group's all-gather early (explicit prefetch by another module); in backward, not
+        for a group that backward does not unshard (``set_unshard_in_backward(False)``)."""
+        if self.param_group is None:
+            return
+        if _inside_backward() and not self.param_group.unshard_in_backward:
+            return
+        self.param_group.unshard(async_op=True)
 
     # -- backward ---------------------------------------------------------------------------
     def _pre_backward(self, grad: torch.Tensor) -> None:
@@ -298,7 +328,7 @@ class HSDPState:
         ITERATION.states_in_iteration[self] = None
         ITERATION.queue_final_callback()
         self.training_state = TrainingState.PRE_BACKWARD
-        if self.param_group is not None:
+        if self.param_group is not None and self.param_group.unshard_in_backward:
             self.param_group.unshard()
             self.param_group.wait_for_unshard()
         # explicit lists replace the implicit prefetch of the next group backward reaches
@@ -311,3 +341,16 @@ class HSDPState:
         self.training_state = TrainingState.POST_BACKWARD
         if self.param_group is not None:
             self.param_group.post_backward()
+
+
+def forward_method(state: HSDPState, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (bound) run between the module's forward hooks, as ``forward`` is: cast and gather
+    before, reshard and hook the outputs for backward after (``register_fsdp_forward_method``)."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward(state.module, args, kwargs)
+        output = method(*args, **kwargs)
+        return state._post_forward(state.module, args, output)
+
+    return run
