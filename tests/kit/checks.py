@@ -56,6 +56,15 @@ def as_number(value: Any) -> float | str:
     return str(value)
 
 
+def raised(call: Callable[[], Any]) -> BaseException | None:
+    """What ``call`` raised (None if nothing): a refusal is a measured value, not a crash."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - what it raised is the measured value
+        return exc
+    return None
+
+
 def device_type() -> str:
     """The device type this rank computes on (``tests.kit.devices``: its accelerator, or the CPU)."""
     return compute_device().type

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tests.kit.case import CaseContext, case
+from tests.kit.checks import raised
 from tests.kit.models import DIMS, MLP, rank_batches
 from tests.kit.reference import ddp_of
 from tests.kit.surface import impl
@@ -67,30 +68,22 @@ def _snapshot(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def _raised(call: Callable[[], Any]) -> BaseException | None:
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - what it raised is the measured value
-        return exc
-    return None
-
-
 def _refused_untouched(ctx: CaseContext, refusal: Refusal, model: nn.Module) -> None:
     """The call raises TypeError/ValueError naming its argument, and the model is as it was."""
     if refusal.setup is not None:
         refusal.setup(model)
     before = _snapshot(model)
-    raised = _raised(lambda: refusal.call(model, ctx))
+    error = raised(lambda: refusal.call(model, ctx))
     where = refusal.what
     ctx.true(
         f"{where}: refused with TypeError or ValueError",
-        isinstance(raised, (TypeError, ValueError)),
-        repr(raised)[:160],
+        isinstance(error, (TypeError, ValueError)),
+        repr(error)[:160],
         "TypeError or ValueError",
     )
     names = _names_of(refusal, model)
-    named = any(name in str(raised) for name in names)
-    ctx.true(f"{where}: the error names {refusal.argument!r}", named, str(raised)[:160], " or ".join(sorted(names)))
+    named = any(name in str(error) for name in names)
+    ctx.true(f"{where}: the error names {refusal.argument!r}", named, str(error)[:160], " or ".join(sorted(names)))
     after = _snapshot(model)
     ctx.equal(f"{where}: module classes unchanged", str(after["classes"]), str(before["classes"]))
     ctx.equal(f"{where}: module attributes unchanged", str(after["attributes"]), str(before["attributes"]))

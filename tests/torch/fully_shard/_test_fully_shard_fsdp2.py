@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.nn import functional as F  # noqa: N812 - torch's own alias
 
 from tests.kit.case import CaseContext, case
-from tests.kit.checks import device_type
+from tests.kit.checks import device_type, raised
 from tests.kit.devices import compute_device
 from tests.kit.layout import local_numels_after_forward, padded_shard_numel
 from tests.kit.models import DIMS, MLP, rank_batches, rank_tokens
@@ -47,19 +47,10 @@ def _batches(ctx: CaseContext, steps: int = STEPS) -> list[torch.Tensor]:
     return batches
 
 
-def _raised(call: Callable[[], Any]) -> BaseException | None:
-    """What ``call`` raised (None if nothing)."""
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - what it raised is the measured value
-        return exc
-    return None
-
-
 def _refused_with(ctx: CaseContext, name: str, call: Callable[[], Any], kind: type[BaseException]) -> None:
     """Check that ``call`` raises ``kind`` (FSDP2's error for it)."""
-    raised = _raised(call)
-    ctx.true(f"{name}: refused with {kind.__name__}", isinstance(raised, kind), repr(raised)[:160], kind.__name__)
+    error = raised(call)
+    ctx.true(f"{name}: refused with {kind.__name__}", isinstance(error, kind), repr(error)[:160], kind.__name__)
 
 
 def _scale_grads(model: Any, factor: float) -> None:
@@ -401,8 +392,8 @@ def _generating_ddp() -> Any:
 def _check_no_op_unsharded(ctx: CaseContext) -> None:
     """On a module never given to fully_shard the registration changes nothing."""
     plain = GeneratingMLP(DIMS)
-    raised = _raised(lambda: impl.register_fsdp_forward_method(plain, "generate"))
-    ctx.true("unsharded module: registration raises nothing", raised is None, repr(raised)[:160], "None")
+    error = raised(lambda: impl.register_fsdp_forward_method(plain, "generate"))
+    ctx.true("unsharded module: registration raises nothing", error is None, repr(error)[:160], "None")
     unchanged = "generate" not in vars(plain) and plain.generate.__func__ is GeneratingMLP.generate
     ctx.true("unsharded module: generate unchanged", unchanged)
 
