@@ -65,6 +65,12 @@ def raised(call: Callable[[], Any]) -> BaseException | None:
     return None
 
 
+def refused_with(ctx: CaseContext, name: str, call: Callable[[], Any], kind: type[BaseException]) -> None:
+    """Check that ``call`` raises ``kind`` (the error the API promises for it)."""
+    error = raised(call)
+    ctx.true(f"{name}: refused with {kind.__name__}", isinstance(error, kind), repr(error)[:160], kind.__name__)
+
+
 def device_type() -> str:
     """The device type this rank computes on (``tests.kit.devices``: its accelerator, or the CPU)."""
     return compute_device().type

@@ -30,6 +30,7 @@ class CollectiveCall:
     dtype: torch.dtype | None
     numel: int  # elements this rank contributes (the input of a gather / scatter)
     group_size: int
+    group: str = ""  # the process group's name: two groups over the same ranks are told apart
 
     @property
     def wire_bytes(self) -> float:
@@ -55,12 +56,13 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _group_size(args: tuple) -> int:
-    """Size of the process group among an op's arguments (the boxed ProcessGroup script object)."""
+def _group_of(args: tuple) -> tuple[int, str]:
+    """Size and name of the process group among an op's arguments (the boxed ProcessGroup script object)."""
     for value in args:
         if isinstance(value, torch.ScriptObject) and "ProcessGroup" in str(value._type()):
-            return dist.ProcessGroup.unbox(value).size()
-    return 1
+            group = dist.ProcessGroup.unbox(value)
+            return group.size(), group.group_name
+    return 1, ""
 
 
 # c10d op name -> (recorded kind, index of the argument holding what this rank contributes)
@@ -92,15 +94,15 @@ _FUNCTIONAL: dict[str, str] = {
 }
 
 
-def _functional_group_size(args: tuple) -> int:
-    """Size of the group a functional collective names (its last string argument)."""
+def _functional_group_of(args: tuple) -> tuple[int, str]:
+    """Size and name of the group a functional collective names (its last string argument)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     names = [a for a in args if isinstance(a, str)]
     try:
-        return _resolve_process_group(names[-1]).size() if names else 1
+        return (_resolve_process_group(names[-1]).size(), names[-1]) if names else (1, "")
     except (RuntimeError, ValueError, KeyError):
-        return 1
+        return 1, ""
 
 
 def _contribution(name: str, index: int, args: tuple) -> list[torch.Tensor]:
@@ -134,16 +136,17 @@ class CollectiveRecorder:
             if name not in _OPS:
                 return
             kind, index = _OPS[name]
-            tensors, group_size = _contribution(name, index, args), _group_size(args)
+            tensors, (group_size, group) = _contribution(name, index, args), _group_of(args)
         else:
             if name not in _FUNCTIONAL:
                 return
-            kind, tensors, group_size = _FUNCTIONAL[name], _tensors(args[0]), _functional_group_size(args)
+            kind, tensors, (group_size, group) = _FUNCTIONAL[name], _tensors(args[0]), _functional_group_of(args)
         call = CollectiveCall(
             op=kind,
             dtype=tensors[0].dtype if tensors else None,
             numel=sum(t.numel() for t in tensors),
             group_size=group_size,
+            group=group,
         )
         with self._lock:
             self.calls.append(call)

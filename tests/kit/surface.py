@@ -91,6 +91,11 @@ FEATURES: dict[str, str] = {
     "gradient_divide_factor": "HSDPModule.set_gradient_divide_factor(f): reduced grads = sum over ranks / f",
     "force_sum_reduction": "HSDPModule.set_force_sum_reduction_for_comms(True): sum-only collectives, same grads",
     "gradient_scaling_factor": "HSDPModule.set_gradient_scaling_factor(s): reduced grads times s (None: off)",
+    "reset_iter_state": "HSDPModule.reset_iter_state() on the root after a failed forward: resharded, trains on",
+    "module_slicing": "slicing a sharded container (Sequential, ModuleList) builds the original class",
+    "share_comm_ctx": "share_comm_ctx(modules): accepts sharded roots, refuses other modules",
+    "reduce_scatter_unused_params": "set_reduce_scatter_unused_params(True): params unused on a rank reduce zeros",
+    "separate_reduce_scatter_group": "set_separate_reduce_scatter_group(): reduce-scatters on a group of their own",
 }
 
 
@@ -149,6 +154,7 @@ class Implementation:
     features: frozenset[str] = frozenset(FEATURES)
     fully_shard: Any
     register_fsdp_forward_method: Any  # (module, method_name): another method runs like forward
+    share_comm_ctx: Any  # (modules): FSDP2's stream sharing between roots
     HSDPModule: type
     MixedPrecisionPolicy: type
     OffloadPolicy: type

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.kit.checks import CaseContext
+from tests.kit.models import DIMS, rank_batches
 from tests.kit.recorder import CollectiveRecorder, record_collectives
 from tests.kit.reference import SameDtypeReference, full, gather_from, named_params
 from tests.kit.surface import impl
@@ -55,6 +56,30 @@ def shared_tmpdir(prefix: str = "hpkit_dcp_") -> Iterator[str]:
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(path[0], ignore_errors=True)
+
+
+def distinct_batches(ctx: CaseContext, steps: int = 2) -> list[torch.Tensor]:
+    """This rank's float batches for the kit's MLP, required to differ between ranks (else synced and
+    unsynced grads agree by accident)."""
+    batches = rank_batches(ctx.rank, (4, DIMS[0]), steps=steps)
+    ctx.require("the ranks' batches differ", differs_across_ranks(batches[0]))
+    return batches
+
+
+class BackwardRecorder:
+    """A ``model_step`` for ``train_against``: the loss, then its backward with the collectives of the
+    backward alone recorded (one recorder per step in ``steps``)."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+        self.loss_fn = loss_fn
+        self.steps: list[CollectiveRecorder] = []
+
+    def __call__(self, model: Any, batch: Any) -> torch.Tensor:
+        loss = self.loss_fn(model, batch)
+        with record_collectives() as recorder:
+            loss.backward()
+        self.steps.append(recorder)
+        return loss
 
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:

@@ -97,6 +97,7 @@ class HSDPModule:
         _check_bool("recurse", recurse)
         for state in self._hsdp_states(recurse):
             state.reshard_after_forward = reshard_after_forward
+            state.post_forward = None  # a bool replaces an int's smaller mesh (FSDP2 does the same)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, recurse: bool = True) -> None:
         """Free (True) or keep (False) the unsharded params after backward, from the next one on."""

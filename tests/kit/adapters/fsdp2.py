@@ -147,6 +147,7 @@ class TorchFSDP2(Implementation):
         self.OffloadPolicy = fsdp.OffloadPolicy
         self.CPUOffloadPolicy = fsdp.CPUOffloadPolicy
         self.register_fsdp_forward_method = fsdp.register_fsdp_forward_method
+        self.share_comm_ctx = fsdp.share_comm_ctx
         if not hasattr(fsdp.FSDPModule, "set_reduce_op_type"):
             fsdp.FSDPModule.set_reduce_op_type = _set_reduce_op_type
 

@@ -25,9 +25,15 @@ class Native(Implementation):
         self.OffloadPolicy = package.OffloadPolicy
         self.CPUOffloadPolicy = package.CPUOffloadPolicy
         self.register_fsdp_forward_method = getattr(package, "register_fsdp_forward_method", _not_in_package)
+        self.share_comm_ctx = getattr(package, "share_comm_ctx", _no_share_comm_ctx)
         declared = getattr(package, "HPKIT_FEATURES", None)  # a package may declare less than all
         if declared is not None:
             self.features = frozenset(declared)
+
+
+def _no_share_comm_ctx(modules: list[nn.Module]) -> None:
+    """Stands in for a package without ``share_comm_ctx``: refused, named."""
+    raise NotImplementedError("share_comm_ctx: this hyper_parallel package does not export it")
 
 
 def _not_in_package(module: nn.Module, method_name: str) -> None:

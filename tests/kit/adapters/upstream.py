@@ -93,6 +93,11 @@ LACKING: dict[str, str] = {
     "gradient_divide_factor": "HSDPModule has no set_gradient_divide_factor (its set_reduce_op_type is the nearest)",
     "force_sum_reduction": "HSDPModule has no set_force_sum_reduction_for_comms",
     "gradient_scaling_factor": "HSDPModule.set_gradient_scaling_factor is newer than this snapshot",
+    "reset_iter_state": "HSDPModule has no reset_iter_state",
+    "module_slicing": "HSDPModule has no __new__ building the original class: a slice is an HSDP class without state",
+    "share_comm_ctx": "no share_comm_ctx",
+    "reduce_scatter_unused_params": "HSDPModule has no set_reduce_scatter_unused_params",
+    "separate_reduce_scatter_group": "HSDPModule has no set_separate_reduce_scatter_group",
 }
 
 
@@ -158,6 +163,10 @@ class Upstream(Implementation):
     def register_fsdp_forward_method(self, module: nn.Module, method_name: str) -> None:
         """Upstream has none (``forward_method`` is in ``LACKING``): refused, named."""
         raise NotImplementedError("register_fsdp_forward_method: upstream HyperParallel has none")
+
+    def share_comm_ctx(self, modules: list[nn.Module]) -> None:
+        """Upstream has none (``share_comm_ctx`` is in ``LACKING``): refused, named."""
+        raise NotImplementedError("share_comm_ctx: upstream HyperParallel has none")
 
     # -- meshes ------------------------------------------------------------------------------
     def init_mesh(self, device_type: str, shape: tuple[int, ...], dim_names: tuple[str, ...]) -> Any:

@@ -1,244 +1,35 @@
-"""Extra L0 cases L0-FSDP2-*, beyond the plan: FSDP2's usages as torch 2.13 users call them, one case
-per usage (deferred init on the meta device, ``reset_parameters`` of sharded modules, an int
-``reshard_after_forward``, ``module.to(dtype)``, ``register_fsdp_forward_method``, the all-reduce
-hook, ``set_unshard_in_backward``, the gradient divide / scaling factors and force-sum reduction).
-Each trains a small model against DDP for two steps or more, on 2 ranks (the int reshard: 4; HSDP: 2x2).
+"""Extra L0 cases L0-FSDP2-*, beyond the plan: FSDP2's controls of when params are gathered and how a model
+runs -- an int ``reshard_after_forward``, ``register_fsdp_forward_method``, ``set_unshard_in_backward``.
+Each trains a small model against DDP for two steps or more (the int reshard on 4 ranks).
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.nn import functional as F  # noqa: N812 - torch's own alias
 
 from tests.kit.case import CaseContext, case
-from tests.kit.checks import device_type, raised
-from tests.kit.devices import compute_device
-from tests.kit.layout import local_numels_after_forward, padded_shard_numel
-from tests.kit.models import DIMS, MLP, rank_batches, rank_tokens
-from tests.kit.recorder import CollectiveRecorder, record_collectives
-from tests.kit.reference import ddp_of, named_params
+from tests.kit.checks import raised, refused_with
+from tests.kit.layout import local_numels_after_forward, padded_shard_numel, shard_shape
+from tests.kit.models import DIMS, MLP, rank_tokens
+from tests.kit.recorder import CollectiveRecorder
+from tests.kit.reference import ddp_of
 from tests.kit.surface import impl
 from tests.kit.training import (
+    BackwardRecorder,
     differs_across_ranks,
+    distinct_batches,
     raises_nothing,
     shard_nested,
-    sharded_modules,
-    shared_tmpdir,
     square_mean,
     train_against,
 )
 
-LossFn = Callable[[Any, Any], torch.Tensor]
 STEPS = 2
-
-
-def _batches(ctx: CaseContext, steps: int = STEPS) -> list[torch.Tensor]:
-    """This rank's float batches for the MLP, required to differ between ranks (else grads agree by accident)."""
-    batches = rank_batches(ctx.rank, (4, DIMS[0]), steps=steps)
-    ctx.require("the ranks' batches differ", differs_across_ranks(batches[0]))
-    return batches
-
-
-def _refused_with(ctx: CaseContext, name: str, call: Callable[[], Any], kind: type[BaseException]) -> None:
-    """Check that ``call`` raises ``kind`` (FSDP2's error for it)."""
-    error = raised(call)
-    ctx.true(f"{name}: refused with {kind.__name__}", isinstance(error, kind), repr(error)[:160], kind.__name__)
-
-
-def _scale_grads(model: Any, factor: float) -> None:
-    """Multiply every grad of ``model`` (a reference) by ``factor`` in place."""
-    for param in named_params(model).values():
-        if param.grad is not None:
-            param.grad.mul_(factor)
-
-
-def _require_factor_changes_grads(ctx: CaseContext, reference: Any, factor: float) -> None:
-    """Precondition: scaling the reference's grads by ``factor`` moves some grad by more than the tolerance."""
-    moved = max(float((p.grad * (factor - 1)).abs().max()) for p in named_params(reference).values())
-    ctx.require(f"a factor of {factor:g} changes the grads beyond the tolerance", moved > ctx.tol.grad, f"{moved:.3g}")
-
-
-def _scaled_reference(ctx: CaseContext, reference: Any, factors: Sequence[float]) -> Callable[[int], None]:
-    """An ``after_backward`` that scales the reference's grads of step ``i`` by ``factors[i]`` (what the
-    model's setting promises), after checking at the first step that the factor matters."""
-
-    def scale(step: int) -> None:
-        if step == 0:
-            _require_factor_changes_grads(ctx, reference, factors[0])
-        _scale_grads(reference, factors[step])
-
-    return scale
-
-
-class BackwardRecorder:
-    """A ``model_step`` for ``train_against``: the loss, then its backward with the collectives of the
-    backward alone recorded (one recorder per step in ``steps``)."""
-
-    def __init__(self, loss_fn: LossFn) -> None:
-        self.loss_fn = loss_fn
-        self.steps: list[CollectiveRecorder] = []
-
-    def __call__(self, model: Any, batch: Any) -> torch.Tensor:
-        loss = self.loss_fn(model, batch)
-        with record_collectives() as recorder:
-            loss.backward()
-        self.steps.append(recorder)
-        return loss
-
-
-# -- deferred init -------------------------------------------------------------------------------
-def _deferred_mlp(mesh: Any) -> MLP:
-    """The MLP built on the meta device, sharded (nested), then materialised empty on this rank's device."""
-    with torch.device("meta"):
-        model = MLP(DIMS)
-    shard_nested(model, model.layers, mesh=mesh)
-    model.to_empty(device=compute_device())
-    return model
-
-
-def _check_materialised(ctx: CaseContext, label: str, model: nn.Module) -> None:
-    """Every param is sharded and held on this rank's device, none left on the meta device."""
-    device = compute_device().type
-    for name, param in model.named_parameters():
-        local = impl.local(param)
-        ctx.true(f"{label}: {name} is sharded", impl.is_sharded(param), type(param).__name__, "sharded")
-        on_device = not param.is_meta and not local.is_meta and local.device.type == device
-        ctx.true(f"{label}: {name} materialised on {device}", on_device, str(local.device), device)
-
-
-def _poison(model: nn.Module) -> None:
-    """NaN into every param, so a load that leaves one untouched cannot pass by the memory's luck."""
-    with torch.no_grad():
-        for param in model.parameters():
-            param.fill_(float("nan"))
-
-
-def _check_values(ctx: CaseContext, label: str, model: nn.Module, expected: nn.Module) -> None:
-    """Every param's whole value equals ``expected``'s, bitwise (a load copies)."""
-    ours = named_params(model)
-    for name, param in named_params(expected).items():
-        ctx.equal(f"{label}: {name} = the reference's", ours[name], param)
-
-
-def _full_load(ctx: CaseContext) -> None:
-    """Rank 0's full state dict broadcast into the deferred model, which then trains like DDP."""
-    template = MLP(DIMS)
-    ddp = ddp_of(template)
-    model = _deferred_mlp(ctx.mesh)
-    _check_materialised(ctx, "after to_empty", model)
-    _poison(model)
-    full = template.state_dict() if ctx.rank == 0 else {}  # the other ranks receive rank 0's
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, full, options=options)
-    _check_materialised(ctx, "full load", model)
-    _check_values(ctx, "full load", model, template)
-    train_against(ctx, model, ddp, _batches(ctx), square_mean, ctx.tol, label="full load")
-
-
-def _sharded_load(ctx: CaseContext) -> None:
-    """A DCP checkpoint of a normally built sharded model loaded into the deferred one; trains like DDP."""
-    source = MLP(DIMS, seed=5)
-    ddp = ddp_of(source)
-    shard_nested(source, source.layers, mesh=ctx.mesh)
-    model = _deferred_mlp(ctx.mesh)
-    _poison(model)
-    with shared_tmpdir() as path:
-        dcp.save(get_model_state_dict(source), checkpoint_id=path)
-        state = get_model_state_dict(model)
-        dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(model, state)
-    _check_materialised(ctx, "sharded load", model)
-    _check_values(ctx, "sharded load", model, ddp.module)
-    train_against(ctx, model, ddp, _batches(ctx), square_mean, ctx.tol, label="sharded load")
-
-
-@case(
-    "L0-FSDP2-deferred_init",
-    "test_fsdp2_deferred_init",
-    world_size=2,
-    mesh={"dp": 2},
-    config="FSDP 1D fp32",
-    needs=("deferred_init",),
-)
-def deferred_init(ctx: CaseContext) -> None:
-    """An MLP built on the meta device, sharded, to_empty'd: every param sharded on this rank's device;
-    rank 0's full state dict (set_model_state_dict, broadcast_from_rank0) and a DCP checkpoint of a
-    sharded model load bitwise, and each trains like DDP."""
-    _full_load(ctx)
-    ctx.run_part("sharded load (dcp.save of a sharded model, dcp.load)", ("dcp",), lambda: _sharded_load(ctx))
-
-
-# -- reset_parameters ----------------------------------------------------------------------------
-def _init_bound(module: nn.Linear) -> float:
-    """nn.Linear's init draws weight and bias from U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
-    return 1 / math.sqrt(module.in_features)
-
-
-# torch.distributed.tensor._random.is_rng_supported_mesh: DTensor's random ops keep one stream over
-# the shards only on accelerators; on the CPU each rank draws its shard from its own generator
-CPU_DRAWS = (
-    "the ranks' shards differ: not judged on the CPU, where torch's DTensor random ops draw each shard "
-    "from the rank's own generator (one seed: the same values on every rank)"
-)
-
-
-def _check_random_init(ctx: CaseContext, model: MLP) -> None:
-    """Each param: finite, not all zero, within nn.Linear's bound, its shards not copies of each other."""
-    for i, layer in enumerate(model.layers):
-        for kind, param in (("weight", layer.weight), ("bias", layer.bias)):
-            name, whole = f"layers.{i}.{kind}", impl.full(param).detach()
-            ctx.true(f"{name}: sharded", impl.is_sharded(param), type(param).__name__, "sharded")
-            ctx.true(f"{name}: finite", bool(torch.isfinite(whole).all()))
-            ctx.true(f"{name}: not all zero", bool(whole.abs().max() > 0), float(whole.abs().max()), "> 0")
-            ctx.at_most(f"{name}: |value| <= 1/sqrt(fan_in)", whole.abs().max(), _init_bound(layer))
-            if device_type() != "cpu":
-                shard = impl.local(param).detach()
-                ctx.true(f"{name}: the ranks' shards differ (not one draw each)", differs_across_ranks(shard))
-    if device_type() == "cpu":
-        ctx.notes.append(CPU_DRAWS)
-
-
-def _full_copy(model: MLP) -> MLP:
-    """A plain MLP holding the sharded model's whole values."""
-    copy_ = MLP(DIMS)
-    ours = named_params(model)
-    with torch.no_grad():
-        for name, param in copy_.named_parameters():
-            param.copy_(impl.full(ours[name]))
-    return copy_
-
-
-@case(
-    "L0-FSDP2-reset_parameters",
-    "test_fsdp2_reset_parameters",
-    world_size=2,
-    mesh={"dp": 2},
-    config="FSDP 1D fp32",
-    needs=("deferred_init", "reset_parameters"),
-)
-def reset_parameters(ctx: CaseContext) -> None:
-    """reset_parameters() of each Linear of a meta-built, sharded, to_empty'd MLP runs on the sharded
-    params: finite, not zero, within nn.Linear's bound, a different draw on each shard (judged on an
-    accelerator only: on the CPU torch's DTensor draws every shard from the same seed); then it trains
-    like DDP started from its whole values."""
-    model = _deferred_mlp(ctx.mesh)
-    _poison(model)
-    reset = raises_nothing(
-        ctx, "reset_parameters() of every Linear", lambda: [m.reset_parameters() for m in model.layers]
-    )
-    if reset is None:
-        return
-    _check_random_init(ctx, model)
-    ddp = ddp_of(_full_copy(model))
-    train_against(ctx, model, ddp, _batches(ctx), square_mean, ctx.tol)
 
 
 # -- reshard_after_forward as an int -------------------------------------------------------------
@@ -282,6 +73,18 @@ def _int_one_and_world(ctx: CaseContext, batch: torch.Tensor) -> None:
             ctx.equal(f"{label}: no all-gather in backward", len(step.steps[0].of("all_gather")), 0)
 
 
+def _bool_replaces_int(ctx: CaseContext, batch: torch.Tensor, k: int) -> None:
+    """set_reshard_after_forward(True) on a model sharded with an int: the bool replaces the smaller
+    mesh, so forward keeps 1/world and backward gathers over all the shard dim's ranks."""
+    label = f"reshard_after_forward={k}, then set_reshard_after_forward(True)"
+    model, seen = _sharded_with(ctx, k)
+    model.set_reshard_after_forward(True)
+    step = BackwardRecorder(square_mean)
+    step(model, batch)
+    _check_kept_after_forward(ctx, label, seen[0], ctx.world_size)
+    _check_backward_gathers(ctx, label, step.steps[0], ctx.world_size)
+
+
 @case(
     "L0-FSDP2-reshard_int",
     "test_fsdp2_reshard_int",
@@ -292,74 +95,24 @@ def _int_one_and_world(ctx: CaseContext, batch: torch.Tensor) -> None:
 )
 def reshard_int(ctx: CaseContext) -> None:
     """reshard_after_forward=2 on 4 ranks: after forward each param keeps a 1/2 share, backward gathers
-    over groups of 2 ranks, training equals DDP; 1 acts as False, 4 as True; 3 (no divisor) is a
-    ValueError."""
+    over groups of 2 ranks, training equals DDP; 1 acts as False, 4 as True; set_reshard_after_forward(True)
+    replaces the int; 3 (no divisor) is a ValueError."""
     k = 2
     ddp = ddp_of(MLP(DIMS))
     model, seen = _sharded_with(ctx, k)
-    step, batches = BackwardRecorder(square_mean), _batches(ctx)
+    step, batches = BackwardRecorder(square_mean), distinct_batches(ctx)
     train_against(ctx, model, ddp, batches, square_mean, ctx.tol, model_step=step)
     for i in range(STEPS):
         _check_kept_after_forward(ctx, f"step {i}", seen[i], k)
         _check_backward_gathers(ctx, f"step {i}", step.steps[i], k)
     _int_one_and_world(ctx, batches[0])
-    _refused_with(
+    _bool_replaces_int(ctx, batches[0], k)
+    refused_with(
         ctx,
         "reshard_after_forward=3 (not a divisor of 4)",
         lambda: impl.fully_shard(MLP(DIMS), mesh=ctx.mesh, reshard_after_forward=3),
         ValueError,
     )
-
-
-# -- module.to(dtype) ----------------------------------------------------------------------------
-def _square_mean_as_is(model: Any, x: Any) -> torch.Tensor:
-    """Mean of the squared output in the output's own dtype (float64 stays float64)."""
-    return model(x).square().mean()
-
-
-def _check_dtype(ctx: CaseContext, label: str, tensors: Iterable[tuple[str, torch.Tensor | None]]) -> None:
-    """Each tensor is sharded and float64, as is what this rank holds of it."""
-    for name, tensor in tensors:
-        if tensor is None:
-            ctx.true(f"{label}: {name} present", False, "None", "a tensor")
-            continue
-        dtypes = f"{tensor.dtype} / local {impl.local(tensor).dtype}"
-        ctx.true(f"{label}: {name} sharded", impl.is_sharded(tensor), type(tensor).__name__, "sharded")
-        ctx.equal(f"{label}: {name} dtype", dtypes, "torch.float64 / local torch.float64")
-
-
-def _double_method(ctx: CaseContext) -> None:
-    """``.double()`` of another sharded MLP: float64 sharded params holding the same values."""
-    model = MLP(DIMS)
-    shard_nested(model, model.layers, mesh=ctx.mesh)
-    model.double()
-    _check_dtype(ctx, ".double()", model.named_parameters())
-    _check_values(ctx, ".double()", model, MLP(DIMS).double())
-
-
-@case(
-    "L0-FSDP2-to_dtype",
-    "test_fsdp2_to_dtype",
-    world_size=2,
-    mesh={"dp": 2},
-    config="FSDP 1D fp32",
-    needs=("to_dtype",),
-)
-def to_dtype(ctx: CaseContext) -> None:
-    """model.to(torch.float64) after sharding: params and grads sharded float64, training in float64 equals
-    a float64 DDP; .double() the same."""
-    ddp = ddp_of(MLP(DIMS).double())
-    model = MLP(DIMS)
-    shard_nested(model, model.layers, mesh=ctx.mesh)
-    model.to(torch.float64)
-    _check_dtype(ctx, "after .to(float64)", model.named_parameters())
-
-    def grads_double(step: int) -> None:
-        _check_dtype(ctx, f"step {step} grads", ((n, p.grad) for n, p in model.named_parameters()))
-
-    batches = [batch.double() for batch in _batches(ctx)]
-    train_against(ctx, model, ddp, batches, _square_mean_as_is, ctx.tol, after_backward=grads_double)
-    _double_method(ctx)
 
 
 # -- register_fsdp_forward_method ----------------------------------------------------------------
@@ -413,55 +166,10 @@ def forward_method(ctx: CaseContext) -> None:
     ddp = _generating_ddp()
     impl.fully_shard(model, mesh=ctx.mesh)
     impl.register_fsdp_forward_method(model, "generate")
-    train_against(ctx, model, ddp, _batches(ctx), square_mean, ctx.tol, model_step=_generate_step)
+    train_against(ctx, model, ddp, distinct_batches(ctx), square_mean, ctx.tol, model_step=_generate_step)
     _check_no_op_unsharded(ctx)
     missing = lambda: impl.register_fsdp_forward_method(model, "no_such_method")  # noqa: E731
-    _refused_with(ctx, "a method the module lacks", missing, ValueError)
-
-
-# -- all-reduce hook (HSDP) ----------------------------------------------------------------------
-def _scaling_hook(calls: Counter, name: str, sizes: dict[str, list[int]], scale: float) -> Callable:
-    """A hook counting its calls and the sizes it saw under ``name``, scaling the reduced grads in place."""
-
-    def hook(output: torch.Tensor) -> None:
-        calls[name] += 1
-        sizes.setdefault(name, []).append(output.numel())
-        output.mul_(scale)
-
-    return hook
-
-
-@case(
-    "L0-FSDP2-all_reduce_hook",
-    "test_fsdp2_all_reduce_hook",
-    world_size=4,
-    mesh={"replicate": 2, "shard": 2},
-    config="HSDP 2D fp32",
-    needs=("hsdp", "all_reduce_hook"),
-)
-def all_reduce_hook(ctx: CaseContext) -> None:
-    """HSDP 2x2, set_all_reduce_hook on each group scaling its reduced grads by 0.5 in place: called once
-    per group per backward, grads and training equal DDP's grads times 0.5."""
-    scale = 0.5
-    ddp = ddp_of(MLP(DIMS))
-    model = MLP(DIMS)
-    shard_nested(model, model.layers, mesh=ctx.mesh)
-    calls, sizes = Counter(), {}
-    names = [f"layers.{i}" for i in range(len(model.layers))]
-    for name, layer in zip(names, model.layers, strict=True):
-        layer.set_all_reduce_hook(_scaling_hook(calls, name, sizes, scale))
-    scale_reference = _scaled_reference(ctx, ddp, [scale] * STEPS)
-
-    def after_backward(step: int) -> None:
-        for name in names:
-            ctx.equal(f"step {step}: {name} hook calls so far", calls[name], step + 1)
-        scale_reference(step)
-
-    train_against(ctx, model, ddp, _batches(ctx), square_mean, ctx.tol, after_backward=after_backward)
-    with ctx.extra("FSDP2 hands the hook the group's flat reduced shard (one tensor per group)"):
-        for name, layer in zip(names, MLP(DIMS).layers, strict=True):
-            expected = padded_shard_numel(layer, ctx.case.mesh["shard"])
-            ctx.equal(f"{name}: elements the hook saw", str(sizes.get(name)), str([expected] * STEPS))
+    refused_with(ctx, "a method the module lacks", missing, ValueError)
 
 
 # -- set_unshard_in_backward ---------------------------------------------------------------------
@@ -518,78 +226,71 @@ def unshard_in_backward(ctx: CaseContext) -> None:
         ctx.true(f"step {i}: the other groups are all-gathered in backward", all(others), str(others), "each >= 1")
 
 
-# -- gradient divide factor, force-sum reduction, gradient scaling factor ------------------------
-def _train_with(
-    ctx: CaseContext, label: str, setting: Callable[[nn.Module, int], None], factors: Sequence[float]
-) -> None:
-    """An MLP sharded (nested), ``setting(module, step)`` applied to every sharded module before each
-    step, trained against DDP whose grads of step ``i`` are scaled by ``factors[i]``."""
-    model, ddp = MLP(DIMS), ddp_of(MLP(DIMS))
-    shard_nested(model, model.layers, mesh=ctx.mesh)
+# -- reset_iter_state, container slicing, share_comm_ctx ----------------------------------------
+class FailingMLP(MLP):
+    """The kit's MLP whose forward raises after its first layer while ``fail`` is set (an aborted
+    iteration: the root's group is left gathered)."""
 
-    def before_step(step: int) -> None:
-        for module in sharded_modules(model):
-            setting(module, step)
+    fail = False
 
-    after = _scaled_reference(ctx, ddp, factors) if any(f != 1 for f in factors) else None
-    batches = _batches(ctx, steps=len(factors))
-    train_against(
-        ctx, model, ddp, batches, square_mean, ctx.tol, label=label, before_step=before_step, after_backward=after
-    )
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            self.layers[0](x)
+            raise RuntimeError("the forward failed on purpose")
+        return super().forward(x)
 
 
-def _divide_factor(ctx: CaseContext, factor: float, force_sum: bool | None) -> None:
-    """set_gradient_divide_factor(factor) (and force-sum if given): grads = DDP's x world / factor."""
+def _reset_iter_state(ctx: CaseContext) -> None:
+    """After a forward raised, reset_iter_state() on the root reshards every group (the root's own was
+    gathered), refuses a non-root (RuntimeError), and the model then trains like DDP."""
+    model = FailingMLP(DIMS)
+    ddp = ddp_of(model)
+    shard_nested(model, model.layers[:1], mesh=ctx.mesh)  # the root's own group holds the other layers
+    batches = distinct_batches(ctx)
+    model.fail = True
+    ctx.require("the forward failed", isinstance(raised(lambda: square_mean(model, batches[0])), RuntimeError))
+    model.fail = False
+    refused_with(ctx, "reset_iter_state() of a non-root module", model.layers[0].reset_iter_state, RuntimeError)
+    model.reset_iter_state()
+    resharded = True
+    for name, param in model.named_parameters():
+        shard = math.prod(shard_shape(param.shape, ctx.world_size, ctx.rank))
+        ctx.equal(f"after reset_iter_state: {name} local numel (its shard)", impl.local(param).numel(), shard)
+        resharded = resharded and impl.local(param).numel() == shard
+    # an optimizer built on gathered params would step tensors the next reshard frees
+    ctx.require("every param resharded before the optimizer is built", resharded)
+    train_against(ctx, model, ddp, batches, square_mean, ctx.tol, label="after reset_iter_state")
 
-    def setting(module: nn.Module, step: int) -> None:
-        if factor:
-            module.set_gradient_divide_factor(factor)
-        if force_sum is not None:
-            module.set_force_sum_reduction_for_comms(force_sum)
 
-    label = f"divide factor {factor:g}" if factor else "no divide factor"
-    label += ", force-sum" if force_sum else ""
-    _train_with(ctx, label, setting, [ctx.world_size / factor if factor else 1.0] * STEPS)
-
-
-SCALES: list[Any] = [0.5, torch.tensor(0.25), None]  # a float, a one-element tensor, then off
-
-
-def _scaling_factor(ctx: CaseContext) -> None:
-    """set_gradient_scaling_factor: grads = DDP's x s per step (None: unscaled); a bool, a string or a
-    tensor of two elements is a ValueError."""
-
-    def setting(module: nn.Module, step: int) -> None:
-        module.set_gradient_scaling_factor(SCALES[step])
-
-    factors = [1.0 if s is None else float(s) for s in SCALES]
-    _train_with(ctx, "scaling factor 0.5, tensor(0.25), None", setting, factors)
-    model = MLP(DIMS)
+def _slicing(ctx: CaseContext) -> None:
+    """A slice of a sharded nn.Sequential is a plain nn.Sequential: it was not given to fully_shard."""
+    model = nn.Sequential(*MLP(DIMS).layers)
     impl.fully_shard(model, mesh=ctx.mesh)
-    for bad in (True, "2", torch.ones(2)):
-        name = f"set_gradient_scaling_factor({bad!r})"
-        _refused_with(ctx, name, lambda bad=bad: model.set_gradient_scaling_factor(bad), ValueError)
+    part = model[:1]
+    ctx.equal("the sliced container's class", type(part).__name__, "Sequential")
+    ctx.true("the slice is not a sharded module", not isinstance(part, impl.HSDPModule), type(part).__mro__[1].__name__)
+
+
+def _share_comm_ctx(ctx: CaseContext) -> None:
+    """share_comm_ctx of two sharded roots runs; of a module not given to fully_shard, a ValueError."""
+    roots = [MLP(DIMS), MLP(DIMS, seed=2)]
+    for root in roots:
+        impl.fully_shard(root, mesh=ctx.mesh)
+    raises_nothing(ctx, "share_comm_ctx of two sharded roots", lambda: impl.share_comm_ctx(roots))
+    refused_with(ctx, "share_comm_ctx of a plain module", lambda: impl.share_comm_ctx([MLP(DIMS)]), ValueError)
 
 
 @case(
-    "L0-FSDP2-divide_factor",
-    "test_fsdp2_divide_factor",
+    "L0-FSDP2-module_api",
+    "test_fsdp2_module_api",
     world_size=2,
     mesh={"dp": 2},
     config="FSDP 1D fp32",
 )
-def divide_factor(ctx: CaseContext) -> None:
-    """Gradient factors, each part needing its own feature: set_gradient_divide_factor(8) gives DDP's grads
-    x 2/8, force-sum alone DDP's grads, force-sum with the factor DDP's x 2/8, set_gradient_scaling_factor(s)
-    DDP's x s (None: off; bad values a ValueError); each trains like its scaled DDP."""
-    factor = 8.0
-    ctx.run_part(
-        "set_gradient_divide_factor(8)", ("gradient_divide_factor",), lambda: _divide_factor(ctx, factor, None)
-    )
-    ctx.run_part("force-sum reduction", ("force_sum_reduction",), lambda: _divide_factor(ctx, 0.0, True))
-    ctx.run_part(
-        "force-sum with set_gradient_divide_factor(8)",
-        ("force_sum_reduction", "gradient_divide_factor"),
-        lambda: _divide_factor(ctx, factor, True),
-    )
-    ctx.run_part("set_gradient_scaling_factor", ("gradient_scaling_factor",), lambda: _scaling_factor(ctx))
+def module_api(ctx: CaseContext) -> None:
+    """The rest of FSDP2's module API, each part needing its own feature: reset_iter_state() after a
+    failed forward reshards and training then equals DDP; slicing a sharded Sequential builds a plain
+    one; share_comm_ctx accepts sharded roots and refuses others."""
+    ctx.run_part("reset_iter_state", ("reset_iter_state",), lambda: _reset_iter_state(ctx))
+    ctx.run_part("slicing a sharded container", ("module_slicing",), lambda: _slicing(ctx))
+    ctx.run_part("share_comm_ctx", ("share_comm_ctx",), lambda: _share_comm_ctx(ctx))

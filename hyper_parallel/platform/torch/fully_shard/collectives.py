@@ -227,8 +227,7 @@ class Reduction:
 
     mesh_info: MeshInfo
     op: dist.ReduceOp
-    all_reduce_replicas: bool
-    settings: ReduceSettings = field(default_factory=ReduceSettings)
+    settings: ReduceSettings
     divide_after: float | None = None
     # (params, flat output, work) per collective issued over the shard dim
     pieces: list[tuple[list[HSDPParam], torch.Tensor, dist.Work | None]] = field(default_factory=list)
@@ -239,7 +238,7 @@ class Reduction:
             return
         for _, _, work in self.pieces:
             _wait(work)
-        if self.all_reduce_replicas and self.mesh_info.is_hsdp and self.mesh_info.replicate_size > 1:
+        if self.settings.all_reduce_replicas and self.mesh_info.is_hsdp and self.mesh_info.replicate_size > 1:
             works = [
                 dist.all_reduce(output, op=self.op, group=self.mesh_info.replicate_group, async_op=True)
                 for _, output, _ in self.pieces
@@ -278,7 +277,7 @@ def start_reduction(
     replicas = settings.all_reduce_replicas and mesh_info.is_hsdp
     ranks = mesh_info.shard_size * (mesh_info.replicate_size if replicas else 1)
     scale_before, op, divide_after = settings.arithmetic(ranks)
-    reduction = Reduction(mesh_info, op, settings.all_reduce_replicas, settings, divide_after)
+    reduction = Reduction(mesh_info, op, settings, divide_after)
     sharded = [p for p in params if not p.is_replicated]
     replicated = [p for p in params if p.is_replicated]
     group = mesh_info.shard_group

@@ -131,8 +131,8 @@ class HSDPParam:
         self.world = world
         self.padded_shard_shape = self._shard_shape(self.chunk)
         self.padded_shard_numel = math.prod(self.padded_shard_shape)
-        self._rows = [self._count_rows(rank) for rank in range(world)]
-        self.layout = RowLayout(self.dim, world, self.chunk, tuple(self._rows), self.padded_shard_shape)
+        rows_per_rank = tuple(self._count_rows(rank) for rank in range(world))
+        self.layout = RowLayout(self.dim, world, self.chunk, rows_per_rank, self.padded_shard_shape)
         # reshard_after_forward=int: the rows this rank keeps after forward, cut over that many ranks
         self.post_forward_layout: RowLayout | None = None
         self.post_forward_shard: torch.Tensor | None = None
@@ -179,7 +179,7 @@ class HSDPParam:
 
     def rows_of(self, rank: int) -> int:
         """Rows of the shard dim held by ``rank`` (torch.chunk semantics)."""
-        return self._rows[rank]
+        return self.layout.rows[rank]
 
     def _count_rows(self, rank: int) -> int:
         if self.is_replicated:
@@ -279,8 +279,8 @@ class HSDPParam:
             self.shard_device = local.device
         if self.use_main_grad:  # _apply swapped the grad too; the main grad is that tensor again
             self.sharded_param.main_grad = self.sharded_param.grad
-        self.unreduced_grad = None
-        self.post_forward_shard = None
+        if self.unreduced_grad is not None:  # grads accumulated without sync are kept, in the new dtype
+            self.unreduced_grad = self.unreduced_grad.to(self.reduce_dtype)
         self._init_unsharded(self.sharded_param)
         self._gathered_version = (-1, -1)
 

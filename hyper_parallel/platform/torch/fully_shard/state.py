@@ -58,11 +58,7 @@ class _IterationContext:
         """A forward outside backward while the end-of-backward callback is still queued means
         the last backward raised before its end: forget that iteration rather than inherit it."""
         if self.final_callback_queued and not _inside_backward():
-            for state in self.states_in_iteration:
-                state.training_state = TrainingState.IDLE
-            self.states_in_iteration.clear()
-            self.forward_order.clear()
-            self.final_callback_queued = False
+            self.forget()
 
     def next_in_backward(self, state: HSDPState) -> list[HSDPState]:
         """The group backward reaches after ``state``'s (the one whose forward finished just before),
@@ -81,7 +77,7 @@ class _IterationContext:
         return [target]
 
     def forget(self) -> None:
-        """``reset_iter_state``: forget the iteration an exception aborted."""
+        """Forget the iteration an exception aborted (by itself at the next forward, or ``reset_iter_state``)."""
         for state in self.states_in_iteration:
             state.training_state = TrainingState.IDLE
         self.states_in_iteration.clear()
