@@ -152,6 +152,9 @@ class Implementation:
 
     name = "implementation"
     features: frozenset[str] = frozenset(FEATURES)
+    # defects of the implementation found by the kit and reported: a combination of declared
+    # features that fails together -> what happens (L4 leaves them out; --with-known-defects draws them)
+    known_defects: dict[frozenset[str], str] = {}
     fully_shard: Any
     register_fsdp_forward_method: Any  # (module, method_name): another method runs like forward
     share_comm_ctx: Any  # (modules): FSDP2's stream sharing between roots

@@ -470,7 +470,7 @@ MUTANTS: tuple[Mutant, ...] = (
         COLLECTIVES,
         "all-reduce hook",
         "the all-reduce hook is never called",
-        "        if self.settings.all_reduce_hook is not None:\n",
+        "        if self.settings.all_reduce_hook is not None and not skipped_all_reduce:\n",
         "        if False:\n",
     ),
     Mutant(
@@ -569,6 +569,31 @@ MUTANTS: tuple[Mutant, ...] = (
         "an int reshard_after_forward is not checked to divide the shard size",
         "    if value < 1 or shard_size % value:\n",
         "    if value < 1:\n",
+    ),
+    Mutant(
+        "61",
+        STATE,
+        "forward method",
+        "a registered forward method skips the post-forward: no reshard, no backward hooks on its output",
+        "        return state._post_forward(state.module, args, output)\n",
+        "        return output\n",
+    ),
+    Mutant(
+        "62",
+        COLLECTIVES,
+        "force-sum reduction",
+        "force-sum reductions forget the division after the SUM: grads summed, not averaged",
+        "            return None, dist.ReduceOp.SUM, float(ranks)\n",
+        "            return None, dist.ReduceOp.SUM, None\n",
+    ),
+    Mutant(
+        "63",
+        API,
+        "recurse=False",
+        "set_requires_gradient_sync ignores recurse=False: one call's sync off turns it off for the calls below",
+        "        for group in self._groups(recurse):\n"
+        "            group.requires_gradient_sync = requires_gradient_sync\n",
+        "        for group in self._groups(True):\n            group.requires_gradient_sync = requires_gradient_sync\n",
     ),
 )
 

@@ -155,7 +155,8 @@ class HSDPModule:
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Call ``hook(output)`` on this group's reduced grads (after the HSDP all-reduce, else after the
-        reduce-scatter), before any division after the collectives. Not recursive. This engine issues
+        reduce-scatter; not at all where ``set_requires_all_reduce(False)`` skips the HSDP all-reduce,
+        as FSDP2), before any division after the collectives. Not recursive. This engine issues
         its collectives on the current stream, so ``stream`` is refused under HSDP (as FSDP2 does)
         and otherwise has no effect."""
         if not callable(hook):

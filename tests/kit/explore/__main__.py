@@ -26,6 +26,7 @@ from tests.kit.explore.runner import (
     coverage_rows,
     explore,
     features_of,
+    known_defects_of,
     load,
     run_config,
 )
@@ -47,6 +48,11 @@ def _parser() -> argparse.ArgumentParser:
         default="",
         metavar="FEATURE[,FEATURE]",
         help="declared features not to draw (to explore past a known defect; names: FEATURES in tests/kit/surface.py)",
+    )
+    parser.add_argument(
+        "--with-known-defects",
+        action="store_true",
+        help="draw the feature combinations the implementation's adapter lists as known defects too",
     )
     parser.add_argument(
         "--isolate", action="store_true", help="fresh engines for every configuration (slow: seconds each)"
@@ -119,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(result.failure)
             return 0 if result.passed else 1
         features = features_of(cluster) - set(_without(args))
+        known = {} if args.with_known_defects else known_defects_of(cluster)
         bar, on_example = _progress(args.examples, args.quiet)
         started = time.monotonic()
         found = explore(
@@ -132,10 +139,13 @@ def main(argv: list[str] | None = None) -> int:
             budget_s=args.budget,
             profile=args.profile,
             on_example=on_example,
+            avoid=tuple(known),
         )
         bar.close()
     print(found.summary())
     print(f"implementation {args.implementation or '(ours)'}; features drawn from: {', '.join(sorted(features))}")
+    for names, why in sorted(known.items(), key=lambda item: sorted(item[0])):
+        print(f"not drawn together (a known defect; --with-known-defects draws it): {' + '.join(sorted(names))}: {why}")
     print(_coverage_table(found.coverage, found.drawn))
     if found.minimal is not None:
         print("minimal failing configuration (replay: python -m tests.kit.explore --replay " + found.minimal.id + "):")

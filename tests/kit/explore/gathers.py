@@ -4,80 +4,117 @@ moment, and so how many elements the coming forward, or the backward just run, m
 (each module it needs, once) and may (a recompute, a prefetch, a module whose state a state dict
 may have changed). ``oracle.Example`` keeps one ``GatherLedger`` per configuration and moves it
 as the schedule runs; the sizes are fixed when the model is sharded.
+
+A unit is in one of four states: sharded (a gather of ``sizes[unit]`` elements brings it back),
+unsharded (nothing to gather), kept in rows of ``k`` ranks after forward by an int
+``reshard_after_forward`` (a gather within the row, ``rows[unit]`` = (least, most) elements: the
+row's share of the unpadded param, or of the shard group's padded one), or unknown (any of those;
+``unknown[unit]`` is the most a gather of it may take).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 Unit = tuple[int, str]
+Bounds = tuple[int, int]
 
 
 @dataclass
 class GatherLedger:
     """Per unit, the elements this rank contributes to gathering it (``sizes``: each shard padded
     to ceil(rows / ranks) rows, nothing where it shards over one rank) and the all-gathers that
-    takes (``calls``: one, or one per param under ``comm_fusion=False``); which units are unsharded
-    now, and which may or may not be."""
+    takes (``calls``: one, or one per param under ``comm_fusion=False``); the state of each unit
+    (module docstring); ``skip_backward``: the units ``set_unshard_in_backward(False)`` keeps
+    sharded through backward."""
 
     sizes: dict[Unit, int]
     calls: dict[Unit, int]
     unsharded: set[Unit] = field(default_factory=set)
-    unknown: set[Unit] = field(default_factory=set)
+    rows: dict[Unit, Bounds] = field(default_factory=dict)
+    unknown: dict[Unit, int] = field(default_factory=dict)
+    skip_backward: set[Unit] = field(default_factory=set)
 
-    def forward(self) -> tuple[int, int]:
+    def _gather(self, unit: Unit) -> Bounds:
+        """(least, most) elements bringing ``unit`` back from its state now."""
+        if unit in self.unsharded:
+            return 0, 0
+        if unit in self.rows:
+            return self.rows[unit]
+        if unit in self.unknown:
+            return 0, self.unknown[unit]
+        return self.sizes[unit], self.sizes[unit]
+
+    def forward(self) -> Bounds:
         """(least, most) elements the coming forward all-gathers: every unit not unsharded, once."""
         least = most = 0
-        for unit, size in self.sizes.items():
-            size = 0 if unit in self.unsharded else size
-            least += 0 if unit in self.unknown else size
-            most += size
+        for unit in self.sizes:
+            low, high = self._gather(unit)
+            least, most = least + low, most + high
         return least, most
 
     def forward_calls(self) -> int:
         """The all-gathers the coming forward issues, where no unit's state is unknown."""
         return sum(calls for unit, calls in self.calls.items() if unit not in self.unsharded)
 
-    def backward(self, reached: set[int], recompute: bool) -> tuple[int, int]:
+    def backward(self, reached: set[int], recompute: bool) -> Bounds:
         """(least, most) elements the backward just run had to all-gather, the units as forward left
-        them: every unit it reached that is sharded, once; at most once more each under activation
-        checkpointing (``recompute``); a unit it did not reach at most once (a prefetch ahead of a
-        need that never came)."""
+        them: every unit it reached and needs that is not unsharded, once; at most once more each
+        under activation checkpointing (``recompute``); a unit it did not reach at most once (a
+        prefetch ahead of a need that never came)."""
         least = most = 0
-        for unit, size in self.sizes.items():
-            if unit in self.unsharded:
+        for unit in self.sizes:
+            if unit in self.skip_backward:
                 continue
+            low, high = self._gather(unit)
             hit = unit[0] in reached
-            least += size if hit and unit not in self.unknown else 0
-            most += size * (2 if hit and recompute else 1)
+            least += low if hit else 0
+            most += high * (2 if hit and recompute else 1)
         return least, most
 
     def mark(self, units: Iterable[Unit], unsharded: bool) -> None:
         for unit in units:
-            self.unknown.discard(unit)
+            self.unknown.pop(unit, None)
+            self.rows.pop(unit, None)
             (self.unsharded.add if unsharded else self.unsharded.discard)(unit)
 
-    def after_forward(self, resharded: list[bool]) -> None:
-        """Each call's units as its effective reshard_after_forward left them."""
-        self.mark([u for u in self.sizes if resharded[u[0]]], False)
-        self.mark([u for u in self.sizes if not resharded[u[0]]], True)
+    def after_forward(self, settings: list[bool | int], rows: Callable[[Unit, int], Bounds]) -> None:
+        """Each call's units as its effective reshard_after_forward left them: True sharded, False
+        unsharded, an int ``k`` in rows of ``k`` (``rows(unit, k)`` the gather bringing them back)."""
+        for unit in self.sizes:
+            setting = settings[unit[0]]
+            if type(setting) is int:
+                self.mark([unit], False)
+                self.rows[unit] = rows(unit, setting)
+            else:
+                self.mark([unit], not setting)
 
     def after_backward(self, reached: set[int], resharded: list[bool]) -> None:
-        """Reached units as reshard_after_backward says. One backward never reached may be left
-        either way: unsharded by a prefetch and kept (torch FSDP2), or resharded (ours)."""
+        """Reached units as reshard_after_backward says (a unit backward does not gather keeps what
+        forward left unless resharded). One backward never reached may be left either way:
+        unsharded by a prefetch and kept (torch FSDP2), or resharded (ours)."""
         for unit in self.sizes:
-            if unit[0] in reached:
+            if unit[0] in reached and unit in self.skip_backward and not resharded[unit[0]]:
+                if unit in self.rows:
+                    self.unknown[unit] = self.rows.pop(unit)[1]
+            elif unit[0] in reached:
                 self.mark([unit], not resharded[unit[0]])
             else:
-                self.unsharded.discard(unit)
-                self.unknown.add(unit)
+                self._forget(unit)
+
+    def _forget(self, unit: Unit) -> None:
+        most = max(self.sizes[unit], self.rows[unit][1] if unit in self.rows else 0)
+        self.unsharded.discard(unit)
+        self.rows.pop(unit, None)
+        self.unknown[unit] = max(most, self.unknown.get(unit, 0))
 
     def maybe_resharded(self) -> None:
         """A state dict was taken: an implementation may reshard for it."""
-        self.unknown |= self.unsharded
-        self.unsharded.clear()
+        for unit in list(self.unsharded) + list(self.rows):
+            self._forget(unit)
 
     def all_resharded(self) -> None:
         self.unsharded.clear()
+        self.rows.clear()
         self.unknown.clear()

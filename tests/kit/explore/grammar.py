@@ -103,6 +103,11 @@ class Tied(nn.Module):
         super().__init__()
         self.a = Leaf(Layer("linear", width), width)
         self.b = Leaf(Layer("linear", width), width)
+        self.tie()
+
+    def tie(self) -> None:
+        """Share ``a``'s weight with ``b`` (again after ``to_empty``, which replaces a meta param
+        with one new param per module holding it, as users of deferred init re-tie theirs)."""
         self.b.weight = self.a.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,6 +183,11 @@ class Net(nn.Module):
         if self.output_kind == "dataclass":
             return Out(y, aux)
         return y
+
+    def generate(self, x: Any, *, scale: torch.Tensor | None = None) -> Any:
+        """Another entry point, as a user's ``generate``: runs ``forward`` without ``__call__``, so
+        only ``register_fsdp_forward_method`` gathers the root's params for it."""
+        return self.forward(x, scale=scale)
 
 
 def build(config: Config) -> Net:

@@ -8,7 +8,10 @@ local grads in the reduce dtype, and reduces them itself, per param, over the pr
 with the reduce op the API promises for that param at that moment (the global-batch mean, or the
 sum; per replica group with the all-reduce off; nothing for ignored params, no grad for frozen
 ones; accumulated across held-back micro-batches). It is the same explicit data-parallel baseline
-as the L1-L3 cases' ``SameDtypeReference``, generalised to per-param groups and ops.
+as the L1-L3 cases' ``SameDtypeReference``, generalised to per-param groups and ops, and to
+FSDP2's per-module reduction controls (divide factor, scaling factor, all-reduce hook). The model
+under test may come from deferred init (meta, ``to_empty``, rank 0's full state dict) or be cast to
+float64 after sharding: the reference is the materialised model, in float64 where cast.
 
 Beside the numbers (loss per micro-batch, grads, the global grad norm and params after each step,
 within the registry's row for the configuration's precision), the invariants every configuration
@@ -23,6 +26,7 @@ taken at any point holds the sharded params, and loading it back changes nothing
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable
@@ -31,11 +35,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.utils._pytree import tree_map
 
 from tests.kit.checks import CaseContext, PreconditionFailed
+from tests.kit.devices import compute_device
 from tests.kit.explore.gathers import GatherLedger, Unit
-from tests.kit.explore.grammar import HALF_PRECISION_LOSS_SCALE, Out, batch, build, first_tensor, loss_of
+from tests.kit.explore.grammar import HALF_PRECISION_LOSS_SCALE, Out, Tied, batch, build, first_tensor, loss_of
 from tests.kit.explore.space import PRECISIONS, Config, Group, checkpointed
 from tests.kit.layout import local_numel, shard_shape
 from tests.kit.recorder import CollectiveRecorder, record_collectives
@@ -44,6 +50,7 @@ from tests.kit.surface import impl
 from tests.kit.tolerances import Tolerance, tolerance
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HOOK_SCALE = 0.5  # the all-reduce hook L4 sets multiplies the reduced grads by this, in place (exact)
 
 
 def precision_row(config: Config) -> str:
@@ -140,9 +147,11 @@ class PromisedReference:
         self.meshes = meshes
         self.plans = plans
         self.master = build(config)
+        if config.cast:  # the model under test is cast to float64 after sharding: its reference all along
+            self.master.double()
         self.compute = copy.deepcopy(self.master)
         param, reduce = PRECISIONS[config.precision.name]
-        self.param_dtype = DTYPES[param]
+        self.param_dtype = torch.float64 if config.cast else DTYPES[param]
         self.reduce_dtype = DTYPES[reduce] if reduce else self.param_dtype
         self.output_dtype = DTYPES[config.precision.output] if config.precision.output else None
         self.ops = ["avg"] * len(config.groups)  # the reduce op of each call's groups
@@ -156,25 +165,29 @@ class PromisedReference:
                 module.register_forward_hook(self._cast_outputs)
 
     def _cast_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if not self.config.precision.cast_inputs or self.param_dtype == torch.float32:
+        if not self.config.precision.cast_inputs or PRECISIONS[self.config.precision.name][0] == "fp32":
             return args, kwargs
         return _cast(args, self.param_dtype), _cast(kwargs, self.param_dtype)
 
     def _cast_outputs(self, module: nn.Module, args: tuple, output: Any) -> Any:
         return _cast(output, self.output_dtype) if self.output_dtype is not None else output
 
-    def forward(self, args: tuple, kwargs: dict) -> Any:
+    def forward(self, args: tuple, kwargs: dict, method: str = "forward") -> Any:
         """The forward of this rank's micro-batch on the compute copy (the masters' current values,
-        managed params in the compute dtype, ignored ones as they are)."""
+        managed params in the compute dtype, ignored ones as they are); another ``method`` of the
+        root gets the root's casts as its forward does (what register_fsdp_forward_method promises)."""
         computed = dict(self.compute.named_parameters())
         with torch.no_grad():
             for path, master in self.master.named_parameters():
                 target = computed[path]
                 dtype = master.dtype if self.plans[path].kind == "ignored" else self.param_dtype
                 target.data = master.detach().to(dtype).clone()
-        return self.compute(*args, **kwargs)
+        if method == "forward":
+            return self.compute(*args, **kwargs)
+        args, kwargs = self._cast_inputs(self.compute, args, kwargs)
+        return self._cast_outputs(self.compute, args, getattr(self.compute, method)(*args, **kwargs))
 
-    def after_backward(self, reduces: bool) -> None:
+    def after_backward(self, reduces: list[bool]) -> None:
         """Take this backward's grads: ignored params keep theirs locally; the others accumulate in
         the reduce dtype and, when the implementation reduces at this backward, are reduced as
         promised and added to the fp32 master grads."""
@@ -193,20 +206,35 @@ class PromisedReference:
             held = grad.to(self.reduce_dtype)
             if path in self._held:
                 held = self._held.pop(path) + held
-            if not reduces:
+            if not reduces[plan.group]:
                 self._held[path] = held
                 continue
             reduced = self._reduce(held, plan).to(master.dtype)
             master.grad = reduced if master.grad is None else master.grad + reduced
 
     def _reduce(self, grad: torch.Tensor, plan: ParamPlan) -> torch.Tensor:
+        """The reduction promised for one param: the sum over its ranks divided by the call's divide
+        factor where set (else the op's mean or sum), then the all-reduce hook (where the reduction
+        ends in the all-reduce: not on a 2-D mesh with the all-reduce off), then the scaling factor."""
+        group = self.config.groups[plan.group]
         op = dist.ReduceOp.AVG if self.ops[plan.group] == "avg" else dist.ReduceOp.SUM
         grad = grad.contiguous()
+        if group.divide_factor is not None:
+            op = dist.ReduceOp.SUM
+            grad = grad * (1.0 / group.divide_factor)
         dist.all_reduce(grad, op=op, group=self.meshes.shard_group(plan.mesh))
         replicas = self.meshes.replicate_group(plan.mesh)
         if replicas is not None and self.all_reduce[plan.group]:
             dist.all_reduce(grad, op=op, group=replicas)
+        if group.hook and (replicas is None or self.all_reduce[plan.group]):
+            grad = grad * HOOK_SCALE
+        if group.scaling_factor is not None:
+            grad = grad * group.scaling_factor
         return grad
+
+    def master_dtype(self, path: str) -> torch.dtype:
+        """The dtype the sharded param ``path`` is promised to have (its master's)."""
+        return self.master.get_parameter(path).dtype
 
     def zero_grad(self, set_to_none: bool) -> None:
         self._held.clear()
@@ -226,7 +254,8 @@ class Example:
         half = PRECISIONS[config.precision.name][0] != "fp32"
         self.loss_scale = HALF_PRECISION_LOSS_SCALE if half else 1.0
         self.meshes = Meshes(ctx, config)
-        self.model = build(config)
+        with torch.device("meta") if config.init == "meta" else contextlib.nullcontext():
+            self.model = build(config)
         self.plans = param_plans(config, self.model)
         self.reference = PromisedReference(config, self.meshes, self.plans)
         self.shapes = {path: tuple(p.shape) for path, p in self.model.named_parameters()}
@@ -238,6 +267,7 @@ class Example:
         self.reshard_after_forward = [g.reshard_after_forward for g in config.groups]
         self.reshard_after_backward = [True] * len(config.groups)
         self.gathers = GatherLedger(*self._gather_sizes())  # what each forward and backward must fetch
+        self.gathers.skip_backward = {u for u in self._units() if not config.groups[u[0]].unshard_in_backward}
 
     # -- set-up --------------------------------------------------------------------------------
     def shard(self) -> None:
@@ -249,9 +279,44 @@ class Example:
             self.hsdp_modules.append(result if isinstance(result, list) else [result])
             for path, module in zip(group.paths, modules, strict=True):
                 module.register_forward_hook(self._seen_after_forward(index, path))
+            for module in self.hsdp_modules[-1]:
+                self._set_controls(module, group)
         if self.config.prefetch:
             self._set_prefetch()
+        if any(step.method != "forward" for step in self.config.steps):
+            impl.register_fsdp_forward_method(self.model, "generate")
+        if self.config.init == "meta":
+            self._materialise()
+        if self.config.cast == "to":
+            self.model.to(torch.float64)
+        elif self.config.cast == "double":
+            self.model.double()
         self._check_layout()
+
+    def _set_controls(self, module: Any, group: Group) -> None:
+        """The call's own reduction and backward controls (FSDP2's setters act on one module)."""
+        if group.divide_factor is not None:
+            module.set_gradient_divide_factor(group.divide_factor)
+        if group.force_sum:
+            module.set_force_sum_reduction_for_comms(True)
+        if group.scaling_factor is not None:
+            module.set_gradient_scaling_factor(group.scaling_factor)
+        if group.hook:
+            module.set_all_reduce_hook(lambda reduced: reduced.mul_(HOOK_SCALE))
+        if not group.unshard_in_backward:
+            module.set_unshard_in_backward(False)
+
+    def _materialise(self) -> None:
+        """Deferred init: the meta-built, sharded model's storage made on this rank's device, then
+        filled from rank 0's full state dict (broadcast; the other ranks pass none), as FSDP2
+        users load a checkpoint into a model too big for one device."""
+        self.model.to_empty(device=compute_device())
+        for module in self.model.modules():
+            if isinstance(module, Tied):
+                module.tie()
+        full_state = build(self.config).state_dict() if self.ctx.rank == 0 else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(self.model, full_state, options=options)
 
     def _options(self, group: Group, by_id: dict[int, str]) -> dict[str, Any]:
         named = dict(self.model.named_parameters())
@@ -338,13 +403,18 @@ class Example:
         is done (a list call's modules each finish their forward at their own time)."""
 
         def seen(module: nn.Module, args: tuple, output: Any) -> None:
-            if self._recording_forward and (index, module_path) not in self.after_forward:
-                self.after_forward[(index, module_path)] = self._own_numels(index, module_path)
-                out = first_tensor(output)
-                if out.requires_grad:  # backward reaches the module only through its output's grad
-                    out.register_hook(lambda grad: self.reached.add(index))
+            self._note_forward(index, module_path, output)
 
         return seen
+
+    def _note_forward(self, index: int, module_path: str, output: Any) -> None:
+        """A module of call ``index`` finished its forward: its params' numels now, and a hook that
+        notes when backward reaches it."""
+        if self._recording_forward and (index, module_path) not in self.after_forward:
+            self.after_forward[(index, module_path)] = self._own_numels(index, module_path)
+            out = first_tensor(output)
+            if out.requires_grad:  # backward reaches the module only through its output's grad
+                out.register_hook(lambda grad: self.reached.add(index))
 
     def _own_numels(self, index: int, module_path: str | None = None) -> dict[str, int]:
         """Elements held of the params of call ``index`` (of its module ``module_path`` only)."""
@@ -368,6 +438,8 @@ class Example:
             param = params[path]
             local = tuple(impl.local(param).shape)
             self.ctx.equal(f"layout {path}: local shape", str(local), str(self._expected_local(plan)))
+            self.ctx.equal(f"layout {path}: dtype", str(param.dtype), str(self.reference.master_dtype(path)))
+            self.ctx.true(f"layout {path}: materialised (not on the meta device)", not impl.local(param).is_meta)
             if plan.kind == "ignored":
                 self.ctx.true(
                     f"layout {path}: ignored, a plain tensor", not impl.is_sharded(param), type(param).__name__
@@ -439,16 +511,24 @@ class Example:
             for module in self.hsdp_modules[step.all_reduce_group]:
                 module.set_requires_all_reduce(step.all_reduce, recurse=False)
             ref.all_reduce[step.all_reduce_group] = step.all_reduce
-        if step.reshard_after_forward:
-            index, flag = step.reshard_after_forward
-            for module in self.hsdp_modules[index]:
-                module.set_reshard_after_forward(flag, recurse=False)
-            self.reshard_after_forward[index] = flag
-        if step.reshard_after_backward:
-            index, flag = step.reshard_after_backward
-            for module in self.hsdp_modules[index]:
-                module.set_reshard_after_backward(flag, recurse=False)
-            self.reshard_after_backward[index] = flag
+        for setter, control in (
+            ("set_reshard_after_forward", step.reshard_after_forward),
+            ("set_reshard_after_backward", step.reshard_after_backward),
+        ):
+            if control:
+                self._reshard_control(setter, *control)
+
+    def _reshard_control(self, setter: str, index: int, flag: bool) -> None:
+        """A reshard setter on call ``index`` alone (``recurse=False``), or on the root for every
+        call (index -1, the default ``recurse=True``)."""
+        settings = self.reshard_after_forward if setter == "set_reshard_after_forward" else self.reshard_after_backward
+        if index < 0:
+            getattr(self.hsdp_modules[-1][0], setter)(flag)
+            settings[:] = [flag] * len(settings)
+            return
+        for module in self.hsdp_modules[index]:
+            getattr(module, setter)(flag, recurse=False)
+        settings[index] = flag
 
     def _micro(self, step_index: int, micro: int, step: Any, syncs: bool) -> None:
         where = f"step {step_index} micro {micro}"
@@ -456,18 +536,25 @@ class Example:
         last = micro == len(step.micro) - 1
         if step.hold_with_last_backward:
             root.set_is_last_backward(last)
-        else:
+        elif step.sync_group is None:
             root.set_requires_gradient_sync(syncs)
+        else:  # only this call holds back; the others reduce at every backward
+            for module in self.hsdp_modules[step.sync_group]:
+                module.set_requires_gradient_sync(syncs, recurse=False)
         args, kwargs = batch(self.config, step_index, micro, self.ctx.rank)
         self.after_forward.clear()
         self.reached.clear()
         gathers, calls = self.gathers.forward(), self.gathers.forward_calls()
         with record_collectives() as forward:
             self._recording_forward = True
-            out = self.model(*args, **kwargs)
+            if step.method == "forward":
+                out = self.model(*args, **kwargs)
+            else:  # a registered method runs outside __call__: no module hook of the root sees it
+                out = getattr(self.model, step.method)(*args, **kwargs)
+                self._note_forward(len(self.config.groups) - 1, "", out)
             self._recording_forward = False
         self._check_gathers(f"{where} forward", forward, gathers, calls)
-        self.gathers.after_forward(self._resharded_after_forward())
+        self.gathers.after_forward(self._resharded_after_forward(), self._rows_gather)
         taken = None
         if step.state_dict_at == "between" and last:  # loaded back after backward: torch's in-place rule
             taken = self._state_dict_check(f"{where} between forward and backward")
@@ -478,10 +565,11 @@ class Example:
         self.gathers.after_backward(self.reached, self.reshard_after_backward)
         rec = CollectiveRecorder()
         rec.calls = forward.calls + backward.calls
-        ref_out = self.reference.forward(args, kwargs)
+        ref_out = self.reference.forward(args, kwargs, step.method)
         ref_loss = loss_of(ref_out, self.loss_scale)
         ref_loss.backward()
-        reduces = syncs or step.hold_with_last_backward
+        held = not (syncs or step.hold_with_last_backward)  # the calls holding back (their sync off)
+        reduces = [not held or step.sync_group not in (None, i) for i in range(len(self.config.groups))]
         self.reference.after_backward(reduces)
         self.ctx.close(f"{where} loss", loss, ref_loss, self.tol.loss)
         self._check_output(where, out, ref_out)
@@ -519,10 +607,33 @@ class Example:
         """Whether a block runs under activation checkpointing (a recompute may gather again)."""
         return checkpointed(self.config.body)
 
-    def _resharded_after_forward(self) -> list[bool]:
-        """Each call's effective reshard_after_forward: None reshards all but the root."""
+    def _resharded_after_forward(self) -> list[bool | int]:
+        """Each call's effective reshard_after_forward: None reshards all but the root; an int ``k``
+        stays an int where it keeps rows of ``k`` ranks (1 is False, the shard group's size True)."""
         last = len(self.config.groups) - 1
-        return [(i != last) if flag is None else flag for i, flag in enumerate(self.reshard_after_forward)]
+        return [self._effective(i, flag, last) for i, flag in enumerate(self.reshard_after_forward)]
+
+    def _effective(self, index: int, flag: bool | int | None, last: int) -> bool | int:
+        if flag is None:
+            return index != last
+        if type(flag) is not int:
+            return flag
+        shard, _ = self.meshes.shard_coordinate(self.config.groups[index].mesh)
+        return False if flag == 1 else True if flag == shard else flag
+
+    def _rows_gather(self, unit: Unit, k: int) -> tuple[int, int]:
+        """(least, most) elements this rank contributes to gathering ``unit`` back from rows of
+        ``k`` ranks: its row's share of each sharded param (its chunk of the unpadded param), up to
+        1/k of the param as padded for the whole shard group (FSDP2 keeps that padding)."""
+        least = most = 0
+        for path in self._own_numels(*unit):
+            plan = self.plans[path]
+            size, _ = self.meshes.shard_coordinate(plan.mesh)
+            if plan.kind != "sharded" or size == 1:
+                continue
+            least += torch.Size(shard_shape(self.shapes[path], k, 0, plan.dim)).numel()
+            most += size * torch.Size(shard_shape(self.shapes[path], size, 0, plan.dim)).numel() // k
+        return least, most
 
     def _check_gathers(self, where: str, rec: Any, bounds: tuple[int, int], calls: int | None = None) -> None:
         gathers = [c for c in rec.calls if c.op == "all_gather" and c.group_size > 1]
@@ -545,29 +656,37 @@ class Example:
         self.ctx.equal(f"{where} output dtype", str(first_tensor(out).dtype), str(first_tensor(ref_out).dtype))
 
     def _check_reshard(self, where: str) -> None:
+        after_forward = self._resharded_after_forward()
         for (index, _), numels in sorted(self.after_forward.items()):
-            root = index == len(self.config.groups) - 1
             setting = self.reshard_after_forward[index]
-            resharded = (not root) if setting is None else setting
-            self._numels(f"{where} after forward, call {index} reshard_after_forward={setting}", numels, resharded)
+            label = f"{where} after forward, call {index} reshard_after_forward={setting}"
+            self._numels(label, numels, after_forward[index])
         for index in sorted(self.reached):  # a call backward never reached stays as forward left it
             resharded = self.reshard_after_backward[index]
+            kept = after_forward[index] if not self.config.groups[index].unshard_in_backward else False
             self._numels(
                 f"{where} after backward, call {index} reshard_after_backward={resharded}",
                 self._own_numels(index),
-                resharded,
+                True if resharded else kept,  # not gathered in backward: as forward left it
             )
 
-    def _numels(self, label: str, numels: dict[str, int], resharded: bool) -> None:
+    def _numels(self, label: str, numels: dict[str, int], resharded: bool | int) -> None:
+        """Each sharded param holds its shard (True), the whole param (False), or its chunk of a row
+        of ``k`` ranks (an int: cut on the placement's dim like torch.chunk; FSDP2 cuts dim 0, the
+        same numel wherever it can shard, as it shards dims other than 0 only evenly)."""
         for path, held in numels.items():
             plan = self.plans[path]
             if plan.kind != "sharded":
                 continue
-            shape = self._expected_local(plan) if resharded else self.shapes[path]
+            if type(resharded) is int:
+                _, place = self.meshes.shard_coordinate(plan.mesh)
+                shape = shard_shape(self.shapes[path], resharded, place % resharded, plan.dim)
+            else:
+                shape = self._expected_local(plan) if resharded else self.shapes[path]
             want = torch.Size(shape).numel()
             self.ctx.equal(f"{label}: {path} local numel", held, want)
 
-    def _check_collectives(self, where: str, rec: CollectiveRecorder, reduces: bool) -> None:
+    def _check_collectives(self, where: str, rec: CollectiveRecorder, reduces: list[bool]) -> None:
         param, _ = PRECISIONS[self.config.precision.name]
         compute, reduce = self.reference.param_dtype, self.reference.reduce_dtype
         gathers = {str(c.dtype) for c in rec.of("all_gather")}
@@ -579,17 +698,17 @@ class Example:
         scattered = sum(c.numel for c in rec.of("reduce_scatter") if c.group_size > 1)
         label = f"{where} elements reduce-scattered (the trainable sharded params only)"
         self.ctx.equal(label, scattered, self._scatter(reduces))
-        if not reduces:
+        if not any(reduces):
             self.ctx.equal(f"{where} all-reduces while held back", len(rec.of("all_reduce")), 0)
 
-    def _scatter(self, reduces: bool) -> int:
+    def _scatter(self, reduces: list[bool]) -> int:
         """What this rank puts into the reduce-scatters of one backward that reduces: each trainable
         sharded param padded to ceil(rows / ranks) rows, times the ranks of its shard group."""
-        if not reduces:
-            return 0
         total = 0
         for plan in self.plans.values():
             if plan.kind != "sharded" or plan.path not in self.reference.got_grad:  # frozen, or no grad
+                continue
+            if not reduces[plan.group]:  # held back
                 continue
             size, _ = self.meshes.shard_coordinate(plan.mesh)
             if size > 1:

@@ -11,7 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from tests.kit.cluster import RankCluster
-from tests.kit.explore.runner import ExampleResult, Exploration, coverage_rows, explore, features_of, load, run_config
+from tests.kit.explore.runner import (
+    ExampleResult,
+    Exploration,
+    coverage_rows,
+    explore,
+    features_of,
+    known_defects_of,
+    load,
+    run_config,
+)
 
 
 @dataclass
@@ -48,7 +57,10 @@ def run(
         elif not shrinking and seen["drawn"] % 10 == 0:
             print(f"{seen['drawn']} of {examples} configurations run", flush=True)
 
-    found = explore(cluster, features_of(cluster), examples, seed, max_world, budget_s, on_example=on_example)
+    avoid = tuple(known_defects_of(cluster))
+    found = explore(
+        cluster, features_of(cluster), examples, seed, max_world, budget_s, on_example=on_example, avoid=avoid
+    )
     print(found.summary(), flush=True)
     return L4Run(found, None, seed, max_world)
 

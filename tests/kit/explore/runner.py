@@ -141,11 +141,13 @@ def explore(
     *,
     min_world: int = 1,
     isolate: bool = False,
+    avoid: tuple[frozenset[str], ...] = (),
 ) -> Exploration:
     """Draw ``examples`` configurations of ``features`` on up to ``max_world`` ranks (no more than
     the cluster has), run each, shrink the first failure to a minimal one and save it.
     ``on_example(result, shrinking)`` is told of every run (progress); ``budget_s`` > 0 stops
-    drawing new configurations once that many seconds have gone (the examples left pass unrun)."""
+    drawing new configurations once that many seconds have gone (the examples left pass unrun);
+    ``avoid``: feature combinations never drawn together (``known_defects_of``)."""
     if not 1 <= min_world <= max_world:
         raise ValueError(f"min_world must be in 1..max_world ({max_world}), got {min_world}")
     max_world = min(max_world, cluster.n_engines)
@@ -155,7 +157,7 @@ def explore(
 
     @settings(settings.get_profile(profile), max_examples=examples)
     @hypothesis_seed(seed)
-    @given(configs(features, max_world, min(min_world, max_world)))
+    @given(configs(features, max_world, min(min_world, max_world), avoid))
     def every_configuration_keeps_its_promise(config: Config) -> None:
         shrinking = bool(failing)
         if not shrinking:
@@ -227,6 +229,18 @@ def _declared() -> list[str]:
     from tests.kit.surface import impl
 
     return sorted(impl.features)
+
+
+def known_defects_of(cluster: RankCluster) -> dict[frozenset[str], str]:
+    """The implementation's known defects (its adapter's ``known_defects``): each a combination of
+    features that fails together, and why; L4 leaves them out unless asked to draw them."""
+    return {frozenset(names): why for names, why in cluster.view(0).apply_sync(_known_defects)}
+
+
+def _known_defects() -> list[tuple[list[str], str]]:
+    from tests.kit.surface import impl
+
+    return [(sorted(names), why) for names, why in impl.known_defects.items()]
 
 
 def describe(config: Config) -> dict[str, Any]:

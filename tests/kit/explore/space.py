@@ -2,8 +2,9 @@
 dataclasses, and the Hypothesis strategies that draw it.
 
 A configuration names a world size and mesh, a model from the grammar (``tests.kit.explore.grammar``),
-the ``fully_shard`` calls (bottom-up, each with its options), a precision policy, and a schedule of
-steps (micro-batches and the controls set before each step). Small strategies compose into
+the ``fully_shard`` calls (bottom-up, each with its options and FSDP2's per-module controls), how
+the model is set up (deferred init, a float64 cast), a precision policy, and a schedule of steps
+(micro-batches, the controls set before each step, the root method each forward calls). Small strategies compose into
 ``configs(features, max_world)``; a feature the implementation does not declare is never drawn,
 so any implementation behind an adapter can be explored. Dims are drawn to hit the layouts that
 break sharding: 1, primes, fewer rows than ranks, exact multiples.
@@ -17,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from hypothesis import assume
 from hypothesis import strategies as st
 
 LEAVES = ("linear", "layernorm", "rmsnorm", "conv1d")
@@ -59,13 +61,19 @@ class Group:
     """One ``fully_shard`` call: its modules (several: a list input) and its options."""
 
     paths: list[str]  # module paths ("" is the root); several: one list call, each its own group
-    reshard_after_forward: bool | None = None
+    reshard_after_forward: bool | int | None = None  # an int k: kept sharded over k ranks after forward
     comm_fusion: bool = True
     placements: dict[str, str] = field(default_factory=dict)  # param path -> "Shard(d)" / "Replicate()"
     ignored: list[str] = field(default_factory=list)
     replicated: list[str] = field(default_factory=list)
     offload: bool = False
     mesh: str = "mesh"  # "mesh": the config's; "shard": its shard dim (HSDP); "flat": 1-D over all ranks
+    # the HSDPModule controls of the call's own modules, set once after sharding (FSDP2's are per module)
+    divide_factor: float | None = None  # set_gradient_divide_factor: reduced grads = sum / factor
+    force_sum: bool = False  # set_force_sum_reduction_for_comms(True)
+    scaling_factor: float | None = None  # set_gradient_scaling_factor: reduced grads times it
+    hook: bool = False  # set_all_reduce_hook(halving the reduced grads in place)
+    unshard_in_backward: bool = True  # set_unshard_in_backward (False only where backward needs no param)
 
 
 @dataclass
@@ -88,12 +96,14 @@ class Step:
     reduce_op_group: int | None = None  # None: the root, recurse; i: group i alone (recurse=False)
     all_reduce: bool | None = None  # HSDP: set_requires_all_reduce
     all_reduce_group: int | None = None  # None: on the root, recurse; i: group i alone (recurse=False)
-    reshard_after_forward: list | None = None  # [group, flag] set before the step
+    reshard_after_forward: list | None = None  # [group, flag] set before the step; group -1: the root, recurse
     reshard_after_backward: list | None = None  # [group, flag]
+    sync_group: int | None = None  # held back by set_requires_gradient_sync on group i alone (recurse=False)
     unshard: int | None = None  # a group unshard(async_op=True)-ed before the first forward
     state_dict_at: str = ""  # "", "before" (forward), "between" (forward and backward), "after" (backward)
     zero_grad: str = "optimizer"  # "optimizer"; "module": HSDPModule.zero_grad(); "module zeros": (False)
     zero_held: bool = False  # HSDPModule.zero_grad() after the first, held-back micro-batch (drops it)
+    method: str = "forward"  # "generate": the root's method registered with register_fsdp_forward_method
 
 
 @dataclass
@@ -113,6 +123,8 @@ class Config:
     optimizer: str = "sgd"
     seed: int = 0
     even: bool = False  # every sharded dim a multiple of the ranks (an implementation without uneven shards)
+    init: str = ""  # "meta": built on the meta device, sharded, to_empty, rank 0's full state dict loaded
+    cast: str = ""  # after sharding: "to" (model.to(torch.float64)) or "double" (model.double())
 
     # -- JSON -----------------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -157,6 +169,10 @@ class Config:
             used.add("activation_checkpointing")
         if self.prefetch:
             used.add("prefetch")
+        if self.init == "meta":
+            used.add("deferred_init")
+        if self.cast:
+            used.add("to_dtype")
         p = self.precision
         if p.name != "fp32" or p.output:
             used.add("mixed_precision")
@@ -167,8 +183,19 @@ class Config:
         for g in self.groups:
             if len(g.paths) > 1:
                 used.add("list_input")
-            if g.reshard_after_forward is not None:
+            if type(g.reshard_after_forward) is int:
+                used.add("reshard_int")
+            elif g.reshard_after_forward is not None:
                 used.add("reshard_after_forward")
+            for flag, feature in (
+                (g.divide_factor is not None, "gradient_divide_factor"),
+                (g.force_sum, "force_sum_reduction"),
+                (g.scaling_factor is not None, "gradient_scaling_factor"),
+                (g.hook, "all_reduce_hook"),
+                (not g.unshard_in_backward, "unshard_in_backward"),
+            ):
+                if flag:
+                    used.add(feature)
             if not g.comm_fusion:
                 used.add("comm_fusion")
             if g.ignored:
@@ -184,7 +211,9 @@ class Config:
                 used.add("last_backward" if s.hold_with_last_backward else "gradient_sync")
             if s.reduce_op:
                 used.add("reduce_op_type")
-            if s.reduce_op_group is not None or s.all_reduce_group is not None:
+            one_group = [s.reduce_op_group, s.all_reduce_group, s.sync_group]
+            one_group += [c[0] if c[0] >= 0 else None for c in (s.reshard_after_forward, s.reshard_after_backward) if c]
+            if any(g is not None for g in one_group):
                 used.add("recurse_false")
             if s.all_reduce is not None:
                 used.add("all_reduce_control")
@@ -196,6 +225,8 @@ class Config:
                 used.add("dcp")
             if s.zero_grad != "optimizer" or s.zero_held:
                 used.add("zero_grad")
+            if s.method != "forward":
+                used.add("forward_method")
         return used
 
     def coverage(self) -> dict[str, str]:
@@ -235,6 +266,12 @@ def checkpointed(node: Node) -> bool:
 
 
 # -- strategies --------------------------------------------------------------------------------
+def one_in(draw: Any, n: int) -> bool:
+    """True one time in ``n``; False where Hypothesis shrinks to, so a shrunk configuration keeps
+    only the options its failure needs."""
+    return draw(st.integers(1, n)) == n
+
+
 def dims(world: int, uneven: bool) -> st.SearchStrategy[int]:
     """Feature sizes that stress the layout: 1, primes, fewer rows than ranks, exact multiples
     (only multiples of the world where the implementation has no uneven sharding)."""
@@ -246,8 +283,8 @@ def dims(world: int, uneven: bool) -> st.SearchStrategy[int]:
 @st.composite
 def layers(draw: Any, width: st.SearchStrategy[int], features: frozenset[str], allow_frozen: bool) -> Layer:
     kind = draw(st.sampled_from(LEAVES))
-    frozen = allow_frozen and draw(st.booleans()) and draw(st.booleans())  # one leaf in four
-    buffer = draw(st.booleans()) and draw(st.booleans())
+    frozen = allow_frozen and one_in(draw, 4)
+    buffer = one_in(draw, 4)
     if kind == "linear":
         return Layer("linear", draw(width), draw(st.booleans()), frozen, buffer)
     if kind == "conv1d":
@@ -262,7 +299,7 @@ def nodes(draw: Any, width: st.SearchStrategy[int], features: frozenset[str], de
         return Node("leaf", layer=draw(layers(width, features, allow_frozen=True)))
     kind = draw(st.sampled_from(BLOCKS))
     checkpoint = ""
-    if "activation_checkpointing" in features and kind != "tied" and draw(st.integers(0, 3)) == 0:
+    if "activation_checkpointing" in features and kind != "tied" and one_in(draw, 4):
         checkpoint = draw(st.sampled_from(("reentrant", "non_reentrant")))
     if kind == "tied":
         return Node("tied", checkpoint=checkpoint)
@@ -288,14 +325,21 @@ def precisions(draw: Any, features: frozenset[str]) -> Precision:
         return Precision()
     name = draw(st.sampled_from(tuple(PRECISIONS)))
     output = draw(st.sampled_from((None, "fp32")))
-    cast = "cast_forward_inputs" not in features or draw(st.booleans()) or draw(st.booleans())
+    cast = "cast_forward_inputs" not in features or not one_in(draw, 4)
     main = "main_grad" in features and name != "fp32" and PRECISIONS[name][1] == "fp32" and draw(st.booleans())
     return Precision(name, output, cast, main)
 
 
 @st.composite
-def configs(draw: Any, features: frozenset[str], max_world: int = 4, min_world: int = 1) -> Config:
-    """One configuration drawing only ``features`` (what the implementation declares)."""
+def configs(
+    draw: Any,
+    features: frozenset[str],
+    max_world: int = 4,
+    min_world: int = 1,
+    avoid: tuple[frozenset[str], ...] = (),
+) -> Config:
+    """One configuration drawing only ``features`` (what the implementation declares), never all
+    the features of one set in ``avoid`` together (an implementation's known defects)."""
     from tests.kit.explore.grammar import build, names
 
     world = draw(st.integers(min_world, max_world))
@@ -316,11 +360,17 @@ def configs(draw: Any, features: frozenset[str], max_world: int = 4, min_world: 
         seed=draw(st.integers(0, 2**16)),
         even=not uneven,
     )
+    if "deferred_init" in features and one_in(draw, 4):
+        config.init = "meta"
+    if "to_dtype" in features and config.precision == Precision() and one_in(draw, 5):
+        config.cast = draw(st.sampled_from(("to", "double")))  # float64 training (a policy would cast it away)
     model = build(config)
     modules, params = names(model)
     config.groups = draw(groups(config, modules, params, features))
     config.prefetch = "prefetch" in features and len(config.groups) > 1 and draw(st.booleans())
     config.steps = draw(st.lists(steps(config, features), min_size=1, max_size=3))
+    used = config.features()
+    assume(not any(combination <= used for combination in avoid))
     return config
 
 
@@ -332,6 +382,9 @@ def groups(
     unrelated modules where list input is declared."""
     candidates = sorted(path for path in modules if path)
     chosen = draw(st.lists(st.sampled_from(candidates), unique=True, max_size=4)) if candidates else []
+    often = "unshard_in_backward" in features and (one_in(draw, 2) or one_in(draw, 2))  # 3 in 4; shrinks to no
+    if "embed" in candidates and "embed" not in chosen and often:
+        chosen.append("embed")  # a group of its own: the one set_unshard_in_backward(False) may take
     chosen.sort(key=lambda p: (-modules[p], p))  # deepest first: bottom-up
     calls: list[list[str]] = []
     for path in chosen:
@@ -372,17 +425,24 @@ def group_options(
     if "reshard_after_forward" in features:
         group.reshard_after_forward = draw(st.sampled_from((None, True, False)))
     if "comm_fusion" in features:
-        group.comm_fusion = draw(st.booleans()) or draw(st.booleans())
-    if "cpu_offload" in features and draw(st.integers(0, 4)) == 0:
+        group.comm_fusion = not one_in(draw, 4)
+    if "cpu_offload" in features and one_in(draw, 5):
         group.offload = True
-    if "submesh" in features and not root and config.hsdp and draw(st.integers(0, 2)) == 0:
+    if "submesh" in features and not root and config.hsdp and one_in(draw, 3):
         group.mesh = draw(st.sampled_from(("shard", "flat")))
     shard = shard_size(config, group.mesh)
+    if "reshard_int" in features and one_in(draw, 3):
+        # a row smaller than the shard group where there is one; else 1 (means False) or the shard size (True)
+        rows = [k for k in range(2, shard) if shard % k == 0] or sorted({1, shard})
+        group.reshard_after_forward = draw(st.sampled_from(rows))
+    draw(reduce_controls(group, features))
+    if "unshard_in_backward" in features and paths == ["embed"] and (one_in(draw, 2) or one_in(draw, 2)):
+        group.unshard_in_backward = False  # an embedding's backward needs its indices, not its weight
     free = list(own)
-    if "ignored_params" in features and free and draw(st.integers(0, 3)) == 0:
+    if "ignored_params" in features and free and one_in(draw, 4):
         group.ignored = draw(st.lists(st.sampled_from(free), unique=True, min_size=1, max_size=2))
         free = [p for p in free if p not in group.ignored]
-    if "replicate_params" in features and free and draw(st.integers(0, 3)) == 0:
+    if "replicate_params" in features and free and one_in(draw, 4):
         group.replicated = draw(st.lists(st.sampled_from(free), unique=True, min_size=1, max_size=2))
         free = [p for p in free if p not in group.replicated]
     for path in free:
@@ -390,6 +450,19 @@ def group_options(
         if placement:
             group.placements[path] = placement
     return group
+
+
+@st.composite
+def reduce_controls(draw: Any, group: Group, features: frozenset[str]) -> None:
+    """FSDP2's reduction controls of one call, each drawn where declared (one call in five)."""
+    if "gradient_divide_factor" in features and one_in(draw, 5):
+        group.divide_factor = draw(st.sampled_from((1.0, 2.0, 3.0)))
+    if "force_sum_reduction" in features and one_in(draw, 5):
+        group.force_sum = True
+    if "gradient_scaling_factor" in features and one_in(draw, 5):
+        group.scaling_factor = draw(st.sampled_from((0.5, 2.0)))
+    if "all_reduce_hook" in features and one_in(draw, 5):
+        group.hook = True
 
 
 def shard_size(config: Config, mesh: str) -> int:
@@ -402,7 +475,7 @@ def shard_size(config: Config, mesh: str) -> int:
 @st.composite
 def placements(draw: Any, shape: tuple[int, ...], shard: int, features: frozenset[str]) -> str | None:
     """None (Shard(0)), or Shard(d) / Replicate() where declared and where the layout allows."""
-    if draw(st.integers(0, 2)) != 0:
+    if not one_in(draw, 3):
         return None
     options = []
     if "placement_replicate" in features:
@@ -425,25 +498,34 @@ def steps(draw: Any, config: Config, features: frozenset[str]) -> Step:
         styles = [s for s in ("gradient_sync", "last_backward") if s in features]
         step.hold_with_last_backward = draw(st.sampled_from(styles)) == "last_backward"
     n_groups = len(config.groups)
-    if "reduce_op_type" in features and draw(st.integers(0, 2)) == 0:
+    if not all(step.micro) and not step.hold_with_last_backward and "recurse_false" in features and one_in(draw, 3):
+        step.sync_group = draw(st.integers(0, n_groups - 1))  # only that call holds back
+    divided = any(g.divide_factor is not None for g in config.groups)  # the factor decides the division
+    if "reduce_op_type" in features and not divided and one_in(draw, 3):
         step.reduce_op = draw(st.sampled_from(("sum", "avg")))
         if "recurse_false" in features and draw(st.booleans()):
             step.reduce_op_group = draw(st.integers(0, n_groups - 1))
-    if "all_reduce_control" in features and config.hsdp and draw(st.integers(0, 2)) == 0:
+    if "all_reduce_control" in features and config.hsdp and one_in(draw, 3):
         step.all_reduce = draw(st.booleans())
         if "recurse_false" in features and draw(st.booleans()):
             step.all_reduce_group = draw(st.integers(0, n_groups - 1))
-    if "reshard_controls" in features and draw(st.integers(0, 2)) == 0:
+    if "reshard_controls" in features and one_in(draw, 3):
         which = draw(st.sampled_from(("reshard_after_forward", "reshard_after_backward")))
-        setattr(step, which, [draw(st.integers(0, n_groups - 1)), draw(st.booleans())])
-    if "unshard_reshard" in features and draw(st.integers(0, 3)) == 0:
+        group = draw(st.integers(-1, n_groups - 1)) if "recurse_false" in features else -1
+        kept_rows = [i for i, g in enumerate(config.groups) if type(g.reshard_after_forward) is int]
+        if kept_rows and group >= 0 and which == "reshard_after_forward" and one_in(draw, 2):
+            group = draw(st.sampled_from(kept_rows))  # a bool replacing an int: the interplay to judge
+        setattr(step, which, [group, draw(st.booleans())])
+    if "unshard_reshard" in features and one_in(draw, 4):
         step.unshard = draw(st.integers(0, n_groups - 1))
-    if "dcp" in features and draw(st.integers(0, 3)) == 0:
+    if "dcp" in features and one_in(draw, 4):
         step.state_dict_at = draw(st.sampled_from(("before", "between", "after")))
-    if "zero_grad" in features and draw(st.integers(0, 2)) == 0:
+    if "zero_grad" in features and one_in(draw, 3):
         step.zero_grad = draw(st.sampled_from(("module", "module zeros")))
-    if "zero_grad" in features and not step.micro[0] and draw(st.integers(0, 2)) == 0:
+    if "zero_grad" in features and not step.micro[0] and one_in(draw, 3):
         step.zero_held = True
+    if "forward_method" in features and one_in(draw, 3):
+        step.method = "generate"
     return step
 
 

@@ -257,8 +257,11 @@ class Reduction:
         self.done = True
 
     def _finish(self, output: torch.Tensor) -> None:
-        """The user's hook on the reduced output, then the division and the scaling asked for."""
-        if self.settings.all_reduce_hook is not None:
+        """The user's hook on the reduced output, then the division and the scaling asked for.
+        On a 2-D mesh the hook follows the all-reduce over the replicas, so with that all-reduce off
+        there is none to follow and the hook does not run (FSDP2's rule)."""
+        skipped_all_reduce = self.mesh_info.is_hsdp and not self.settings.all_reduce_replicas
+        if self.settings.all_reduce_hook is not None and not skipped_all_reduce:
             self.settings.all_reduce_hook(output)
         if self.divide_after is not None and self.divide_after != 1:
             output.div_(self.divide_after)
