@@ -155,6 +155,9 @@ class Implementation:
     # defects of the implementation found by the kit and reported: a combination of declared
     # features that fails together -> what happens (L4 leaves them out; --with-known-defects draws them)
     known_defects: dict[frozenset[str], str] = {}
+    # process-global state that does not survive the kit's new process group per run: L4 then runs
+    # every configuration on fresh engines
+    fresh_engines: bool = False
     fully_shard: Any
     register_fsdp_forward_method: Any  # (module, method_name): another method runs like forward
     share_comm_ctx: Any  # (modules): FSDP2's stream sharing between roots

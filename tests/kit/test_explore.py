@@ -69,6 +69,38 @@ class _FakeCluster:
         return [{"checks": [check], "series": {}, "figures": {}, "notes": []}] * world
 
 
+class _TwoDefectsCluster(_FakeCluster):
+    """Fails two ways: more than one step with a sharded child; and, apart, a world of 3."""
+
+    def run(self, fn, world, config_json, timeout):
+        config = Config.from_json(config_json)
+        first = len(config.steps) > 1 and len(config.groups) > 1
+        second = config.world == 3
+        check = _FakeCluster.run(self, fn, world, config_json, timeout)[0]["checks"][0]
+        checks = []
+        if first:
+            checks.append({**check, "name": f"step {len(config.steps) - 1}: grads of body.0.weight", "passed": False})
+        if second:
+            checks.append({**check, "name": "world of three ranks", "passed": False})
+        if not checks:
+            checks.append({**check, "passed": True})
+        return [{"checks": checks, "series": {}, "figures": {}, "notes": []}] * world
+
+
+def test_keep_going_lists_each_distinct_failure_shrunk_once(tmp_path):
+    from tests.kit.explore.runner import explore_all
+
+    survey = explore_all(_TwoDefectsCluster(), ALL, examples=120, seed=1, max_world=4, save_dir=tmp_path)
+    assert survey.exploration.drawn == 120  # every configuration drawn and run, past the failures
+    signatures = sorted(d.signature for d in survey.defects)
+    assert signatures == ["step #: grads of <path>", "world of three ranks"], signatures
+    smallest = {d.signature: d.minimal.config.size() for d in survey.defects}
+    assert smallest["world of three ranks"]["groups"] == 1 and smallest["world of three ranks"]["steps"] == 1
+    assert smallest["step #: grads of <path>"]["steps"] == 2 and smallest["step #: grads of <path>"]["world"] == 1
+    assert all(d.saved is not None and d.saved.exists() for d in survey.defects)
+    assert all(d.count >= 1 for d in survey.defects) and "2 distinct failure(s)" in survey.summary()
+
+
 def test_a_failure_is_shrunk_to_a_minimal_configuration_and_saved(tmp_path):
     found = explore(_FakeCluster(), ALL, examples=200, seed=1, max_world=4, save_dir=tmp_path)
     assert not found.passed and found.saved is not None and found.saved.exists()

@@ -595,6 +595,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "            group.requires_gradient_sync = requires_gradient_sync\n",
         "        for group in self._groups(True):\n            group.requires_gradient_sync = requires_gradient_sync\n",
     ),
+    Mutant(
+        "64",
+        PARAM,
+        "shard storage",
+        "a shard is a view of the whole param (upstream's layout bug, fixed in its fix_main_grad): nothing is freed",
+        "                local.copy_(src)\n",
+        "                local = src\n",
+    ),
 )
 
 

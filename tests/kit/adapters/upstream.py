@@ -122,6 +122,7 @@ class Upstream(Implementation):
 
     name = "upstream"
     features = frozenset(FEATURES) - frozenset(LACKING)
+    fresh_engines = True  # its redistribution singleton keeps the rank list and groups of its first call
 
     def __init__(self, spec: Spec) -> None:
         os.environ[PLATFORM_ENV] = "torch"

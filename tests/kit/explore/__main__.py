@@ -20,14 +20,17 @@ import os
 import sys
 import time
 from collections import Counter
+from typing import Any
 
 from tests.kit.explore.runner import (
     ExampleResult,
     coverage_rows,
     explore,
+    explore_all,
     features_of,
     known_defects_of,
     load,
+    needs_fresh_engines,
     run_config,
 )
 from tests.kit.surface import FEATURES
@@ -50,12 +53,23 @@ def _parser() -> argparse.ArgumentParser:
         help="declared features not to draw (to explore past a known defect; names: FEATURES in tests/kit/surface.py)",
     )
     parser.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="run every drawn configuration past failures; list each distinct failure, each shrunk once",
+    )
+    parser.add_argument(
+        "--shrink-budget", type=float, default=300.0, help="--keep-going: seconds of shrinking per failure"
+    )
+    parser.add_argument(
         "--with-known-defects",
         action="store_true",
         help="draw the feature combinations the implementation's adapter lists as known defects too",
     )
     parser.add_argument(
-        "--isolate", action="store_true", help="fresh engines for every configuration (slow: seconds each)"
+        "--isolate",
+        action="store_true",
+        help="fresh engines for every configuration (slow: seconds each; on by itself for an implementation "
+        "whose adapter says it needs them, as upstream's)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -126,8 +140,24 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if result.passed else 1
         features = features_of(cluster) - set(_without(args))
         known = {} if args.with_known_defects else known_defects_of(cluster)
+        isolate = args.isolate or needs_fresh_engines(cluster)
         bar, on_example = _progress(args.examples, args.quiet)
         started = time.monotonic()
+        if args.keep_going:
+            survey = explore_all(
+                cluster,
+                features,
+                examples=args.examples,
+                seed=args.seed,
+                max_world=args.max_world,
+                min_world=args.min_world,
+                isolate=isolate,
+                avoid=tuple(known),
+                shrink_budget_s=args.shrink_budget,
+                on_example=on_example,
+            )
+            bar.close()
+            return _report_survey(args, survey, features, known, started)
         found = explore(
             cluster,
             features,
@@ -135,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             max_world=args.max_world,
             min_world=args.min_world,
-            isolate=args.isolate,
+            isolate=isolate,
             budget_s=args.budget,
             profile=args.profile,
             on_example=on_example,
@@ -152,6 +182,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(json.loads(found.minimal.config.to_json()), indent=1, sort_keys=True))
     print(f"{time.monotonic() - started:.0f} s")
     return 0 if found.passed else 1
+
+
+def _report_survey(args: argparse.Namespace, survey: Any, features: frozenset[str], known: dict, started: float) -> int:
+    """The keep-going run's page: each distinct failure, its count, its smallest configuration."""
+    print(survey.summary())
+    print(f"implementation {args.implementation or '(ours)'}; features drawn from: {', '.join(sorted(features))}")
+    for names, why in sorted(known.items(), key=lambda item: sorted(item[0])):
+        print(f"not drawn together (a known defect; --with-known-defects draws it): {' + '.join(sorted(names))}: {why}")
+    for number, defect in enumerate(survey.defects, 1):
+        shown = defect.minimal or defect.first
+        print(f"{number}. {defect.signature}\n   replay: python -m tests.kit.explore --replay {shown.id}")
+        print("   " + shown.failure[:400].replace("\n", " "))
+    print(f"{time.monotonic() - started:.0f} s")
+    return 0 if survey.passed else 1
 
 
 def _coverage_table(coverage: Counter, drawn: int) -> str:

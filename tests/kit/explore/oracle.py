@@ -448,6 +448,27 @@ class Example:
             self.ctx.true(f"layout {path}: sharded tensor", impl.is_sharded(param), type(param).__name__)
             placements = [str(p) for p in impl.placements(param)]
             self.ctx.equal(f"layout {path}: placements", str(placements), str(self._placements(plan)))
+        for index in range(len(self.config.groups)):
+            self._check_shard_storage(index, params)
+
+    def _check_shard_storage(self, index: int, params: dict[str, nn.Parameter]) -> None:
+        """What call ``index``'s params hold once sharded is no more than their shards: the distinct
+        storages under its local shards at most each sharded param's padded shard (ceil(rows / ranks)
+        rows) and each replicated param whole. A shard that is a view of the whole tensor fails it
+        (nothing would be freed by sharding)."""
+        held: dict[int, int] = {}
+        bound = 0
+        for path, plan in self.plans.items():
+            if plan.group != index or plan.kind == "ignored":
+                continue
+            local = impl.local(params[path])
+            storage = local.untyped_storage()
+            held[storage.data_ptr()] = storage.nbytes()
+            size, _ = self.meshes.shard_coordinate(plan.mesh)
+            shape = shard_shape(self.shapes[path], size, 0, plan.dim) if plan.kind == "sharded" else self.shapes[path]
+            bound += torch.Size(shape).numel() * local.element_size()
+        label = f"layout call {index}: bytes of storage under its local shards (at most their padded shards)"
+        self.ctx.true(label, sum(held.values()) <= bound, str(sum(held.values())), f"<= {bound}")
 
     def _placements(self, plan: ParamPlan) -> list[str]:
         inner = str(impl.Replicate()) if plan.kind == "replicated" else str(impl.Shard(plan.dim))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -63,6 +64,7 @@ class ExampleResult:
     failure: str = ""
     checks: int = 0
     seconds: float = 0.0
+    signature: str = ""  # how it failed, without the numbers and names of this configuration
 
     @property
     def id(self) -> str:
@@ -86,7 +88,7 @@ def run_config(
     try:
         results = cluster.run(run_example, config.world, config.to_json(), timeout=timeout)
     except RankFailure as failure:
-        return ExampleResult(config, False, str(failure)[:4000], 0, time.monotonic() - started)
+        return ExampleResult(config, False, str(failure)[:4000], 0, time.monotonic() - started, _raised(failure))
     checks = [Check(**c) for result in results for c in result["checks"]]
     failed = [c for c in checks if not c.passed]
     text = "; ".join(
@@ -94,7 +96,23 @@ def run_config(
     )
     if len(failed) > 4:
         text += f"; and {len(failed) - 4} more failed checks"
-    return ExampleResult(config, not failed, text, len(checks), time.monotonic() - started)
+    signature = generic(failed[0].name) if failed else ""
+    return ExampleResult(config, not failed, text, len(checks), time.monotonic() - started, signature)
+
+
+def generic(text: str) -> str:
+    """A failure's text without what belongs to one configuration: numbers become ``#`` and dotted
+    param or module paths ``<path>``, so one defect met in two configurations reads the same."""
+    text = re.sub(r"\b[A-Za-z_]\w*(?:\.\w+)+", "<path>", text)
+    return re.sub(r"\d+(?:\.\d+)?", "#", text)
+
+
+def _raised(failure: RankFailure) -> str:
+    """The signature of a run that raised: the first rank's exception, generic; or how it ended."""
+    if failure.raised:
+        name, message = next(iter(sorted(failure.raised.items())))[1]
+        return generic(f"raised {name}: {message}")
+    return "timed out" if failure.timed_out else "an engine died" if failure.dead else generic(failure.summary)
 
 
 @dataclass
@@ -184,6 +202,132 @@ def explore(
     return found
 
 
+@dataclass
+class Defect:
+    """One distinct way an implementation failed in a keep-going exploration."""
+
+    signature: str
+    first: ExampleResult  # the first drawn configuration failing this way
+    count: int = 1  # drawn configurations failing this way
+    minimal: ExampleResult | None = None  # after shrinking (None: not shrunk)
+    saved: Path | None = None
+
+
+@dataclass
+class Survey:
+    """What a keep-going exploration ran and found: every distinct failure, each shrunk once."""
+
+    exploration: Exploration
+    defects: list[Defect] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.defects
+
+    def summary(self) -> str:
+        head = self.exploration.summary().split(": FAIL")[0].removesuffix(": no failure")
+        lines = [f"{head}: {len(self.defects)} distinct failure(s)"]
+        for number, defect in enumerate(self.defects, 1):
+            shown = defect.minimal or defect.first
+            size = shown.config.size()
+            lines.append(
+                f"  {number}. {defect.signature} — {defect.count} configuration(s); smallest: {shown.id} "
+                f"({size['groups']} group(s), {size['steps']} step(s), world {size['world']})"
+            )
+        return "\n".join(lines)
+
+
+def explore_all(
+    cluster: RankCluster,
+    features: frozenset[str],
+    examples: int = 50,
+    seed: int = 0,
+    max_world: int = 4,
+    *,
+    min_world: int = 1,
+    isolate: bool = False,
+    avoid: tuple[frozenset[str], ...] = (),
+    shrink: bool = True,
+    shrink_budget_s: float = 300.0,
+    on_example: Callable[[ExampleResult, bool], None] | None = None,
+    save_dir: Path = SAVED,
+) -> Survey:
+    """Keep exploring past failures: draw and run all ``examples`` configurations, group the failing
+    ones by signature (``generic`` first failing check, or what was raised), then shrink the first
+    of each signature once (``shrink_budget_s`` each). The shrinking replays the same seed with a
+    cache of every run, so reaching a signature's first configuration again costs no run."""
+    cache: dict[str, ExampleResult] = {}
+
+    def run(config: Config) -> ExampleResult:
+        key = config_id(config)
+        if key not in cache:
+            cache[key] = run_config(cluster, config, isolate=isolate)
+        return cache[key]
+
+    survey = Survey(Exploration())
+    started = time.monotonic()
+    by_signature: dict[str, Defect] = {}
+
+    def record(result: ExampleResult, shrinking: bool) -> None:
+        if on_example is not None:
+            on_example(result, shrinking)
+        if shrinking:
+            return
+        survey.exploration.drawn += 1
+        survey.exploration.coverage.update(result.config.coverage().items())
+        if not result.passed:
+            if result.signature in by_signature:
+                by_signature[result.signature].count += 1
+            else:
+                by_signature[result.signature] = Defect(result.signature, result)
+
+    draw = configs(features, min(max_world, cluster.n_engines), min(min_world, max_world), avoid)
+
+    @settings(settings.get_profile("ci"), max_examples=examples, phases=(Phase.explicit, Phase.generate))
+    @hypothesis_seed(seed)
+    @given(draw)
+    def every_configuration(config: Config) -> None:
+        record(run(config), False)
+
+    every_configuration()
+    survey.defects = list(by_signature.values())
+    if shrink:
+        for defect in survey.defects:
+            defect.minimal = _shrink_one(run, draw, defect.signature, examples, seed, shrink_budget_s)
+            defect.saved = save(defect.minimal, save_dir) if defect.minimal is not None else None
+    survey.exploration.examples = len(cache)
+    survey.exploration.seconds = time.monotonic() - started
+    return survey
+
+
+def _shrink_one(
+    run: Callable[[Config], ExampleResult], draw: Any, signature: str, examples: int, seed: int, budget_s: float
+) -> ExampleResult | None:
+    """The smallest configuration failing with ``signature``: the same seed again, where only that
+    signature counts as failing; after ``budget_s`` no new configuration is run (the best so far
+    stands)."""
+    started = time.monotonic()
+    failing: list[ExampleResult] = []
+
+    @settings(settings.get_profile("ci"), max_examples=examples)
+    @hypothesis_seed(seed)
+    @given(draw)
+    def fails_this_way(config: Config) -> None:
+        if failing and time.monotonic() - started > budget_s:
+            if config_id(config) != failing[-1].id:
+                return  # the budget is spent: nothing new fails, so the shrinker stops soon
+        result = run(config)
+        if not result.passed and result.signature == signature:
+            failing.append(result)
+            raise AssertionError(signature)
+
+    try:
+        fails_this_way()
+    except (AssertionError, Flaky):
+        return failing[-1]
+    return None
+
+
 def save(result: ExampleResult, folder: Path = SAVED) -> Path:
     """Write a failing configuration as JSON: ``<folder>/<id>.json``."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -229,6 +373,18 @@ def _declared() -> list[str]:
     from tests.kit.surface import impl
 
     return sorted(impl.features)
+
+
+def needs_fresh_engines(cluster: RankCluster) -> bool:
+    """Whether the implementation on the cluster needs fresh engines for every configuration (its
+    adapter's ``fresh_engines``: process-global state that does not survive a new process group)."""
+    return bool(cluster.view(0).apply_sync(_fresh_engines))
+
+
+def _fresh_engines() -> bool:
+    from tests.kit.surface import impl
+
+    return bool(impl.fresh_engines)
 
 
 def known_defects_of(cluster: RankCluster) -> dict[frozenset[str], str]:

@@ -1,0 +1,110 @@
+"""Judge one upstream tree with the kit: its plan cases (fresh engines per case, as conformance
+runs a foreign implementation) and L4 in keep-going mode (every distinct failure, each shrunk once),
+then compare a defect's tree with the same tree without the defect."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.kit.case import Case
+
+BAD = {"FAIL", "ERROR", "TIMEOUT", "DIED"}
+
+
+@dataclass
+class TreeRun:
+    """What the kit said of one tree."""
+
+    tree: str
+    cases: dict[str, dict[str, Any]] = field(default_factory=dict)  # case id -> verdict summary
+    l4: list[dict[str, Any]] = field(default_factory=list)  # distinct failures: signature, count, smallest
+    l4_drawn: int = 0
+    seconds: float = 0.0
+
+    def l4_signatures(self) -> set[str]:
+        return {row["signature"] for row in self.l4}
+
+
+def judge_tree(
+    tree: Path,
+    cases: list[Case],
+    l4_examples: int,
+    seed: int,
+    engines: int = 4,
+    progress: Callable[[str], None] = print,
+    shrink: bool = False,
+) -> TreeRun:
+    """The plan cases and an L4 survey of the upstream tree at ``tree`` (each distinct failure
+    shrunk once where ``shrink``: upstream's head; elsewhere only the signatures are compared)."""
+    import time
+
+    from tests.kit.cluster import RankCluster
+    from tests.kit.conformance import run_implementation
+    from tests.kit.explore.runner import explore_all, features_of, known_defects_of
+
+    started = time.monotonic()
+    spec = f"upstream:{tree}"
+    run = TreeRun(str(tree))
+
+    def each_case(name: str, verdict: Any) -> None:
+        progress(f"  {verdict.status:<11} {verdict.case.id:<8} {verdict.first_failure[:90]}")
+
+    run.cases = run_implementation(tree.name, spec, cases, True, engines, each_case)
+    if l4_examples:
+        with RankCluster.start(engines, implementation=spec, startup_timeout=180) as cluster:
+            survey = explore_all(
+                cluster,
+                features_of(cluster),
+                examples=l4_examples,
+                seed=seed,
+                max_world=engines,
+                isolate=True,
+                avoid=tuple(known_defects_of(cluster)),
+                shrink=shrink,
+                shrink_budget_s=90.0,
+                save_dir=tree.parent / "l4",
+            )
+        run.l4_drawn = survey.exploration.drawn
+        for defect in survey.defects:
+            shown = defect.minimal or defect.first
+            row = {"signature": defect.signature, "count": defect.count, "smallest": shown.id}
+            run.l4.append({**row, "size": shown.config.size(), "failure": shown.failure[:600]})
+            progress(f"  L4 {defect.signature} ({defect.count}x, smallest {shown.id})")
+    run.seconds = time.monotonic() - started
+    return run
+
+
+@dataclass
+class Finding:
+    """One defect judged: the checks that fail with it and pass without it."""
+
+    defect: dict[str, Any]
+    defect_tree: str = ""
+    fixed_tree: str = ""
+    cases: list[dict[str, Any]] = field(default_factory=list)  # cases failing only with the defect
+    l4: list[dict[str, Any]] = field(default_factory=list)  # L4 signatures seen only with the defect
+    error: str = ""  # why the defect could not be built or run
+    seconds: float = 0.0
+
+    @property
+    def found(self) -> bool:
+        return bool(self.cases or self.l4)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "found": self.found}
+
+
+def compare(defect: dict[str, Any], with_defect: TreeRun, without: TreeRun) -> Finding:
+    """Found where a case fails (or errs, hangs, dies) with the defect and passes without it, or L4
+    meets a failure with the defect it does not meet without it."""
+    finding = Finding(defect, with_defect.tree, without.tree, seconds=with_defect.seconds)
+    for case_id, row in with_defect.cases.items():
+        clean = without.cases.get(case_id, {})
+        if row["status"] in BAD and clean.get("status") == "PASS":
+            finding.cases.append({"id": case_id, "status": row["status"], "first_failure": row["first_failure"]})
+    seen_without = without.l4_signatures()
+    finding.l4 = [row for row in with_defect.l4 if row["signature"] not in seen_without]
+    return finding
