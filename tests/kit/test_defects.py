@@ -86,6 +86,16 @@ def test_found_means_failing_with_the_defect_and_passing_without_it():
     assert not compare({"id": "T"}, without, without).found
 
 
+def test_a_case_failing_on_both_trees_is_found_by_a_check_that_fails_only_with_the_defect():
+    both = {"status": "FAIL", "first_failure": "loss"}
+    with_defect = TreeRun("broken", {"L1-05": {**both, "failed": ["loss", "unsharded bias freed"]}})
+    without = TreeRun("fixed", {"L1-05": {**both, "failed": ["loss"], "passed_names": ["unsharded bias freed"]}})
+    finding = compare({"id": "T"}, with_defect, without)
+    assert [c["id"] for c in finding.cases] == ["L1-05"] and "unsharded bias freed" in finding.cases[0]["first_failure"]
+    same = TreeRun("broken", {"L1-05": {**both, "failed": ["loss"]}})
+    assert not compare({"id": "T"}, same, without).found
+
+
 def test_the_catalogue_names_each_defect_once_and_refuses_unknown_ids():
     assert len({d.id for d in DEFECTS}) == len(DEFECTS) and all(d.build in ("revert", "parent") for d in DEFECTS)
     assert [d.id for d in select("D2,D1")] == ["D2", "D1"]

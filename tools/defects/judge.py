@@ -42,17 +42,13 @@ def judge_tree(
     import time
 
     from tests.kit.cluster import RankCluster
-    from tests.kit.conformance import run_implementation
     from tests.kit.explore.runner import explore_all, features_of, known_defects_of
 
     started = time.monotonic()
     spec = f"upstream:{tree}"
     run = TreeRun(str(tree))
 
-    def each_case(name: str, verdict: Any) -> None:
-        progress(f"  {verdict.status:<11} {verdict.case.id:<8} {verdict.first_failure[:90]}")
-
-    run.cases = run_implementation(tree.name, spec, cases, True, engines, each_case)
+    run.cases = judge_cases(spec, cases, engines, progress)
     if l4_examples:
         with RankCluster.start(engines, implementation=spec, startup_timeout=180) as cluster:
             survey = explore_all(
@@ -77,6 +73,25 @@ def judge_tree(
     return run
 
 
+def judge_cases(spec: str, cases: list[Case], engines: int, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Each case on fresh engines: its verdict summary with the names of its failed and passed
+    checks (a case failing on both trees may still fail more checks with the defect)."""
+    from tests.kit.cluster import RankCluster
+    from tests.kit.notebook import summarize
+    from tests.kit.verdict import judge_case
+
+    rows: dict[str, Any] = {}
+    with RankCluster.start(engines, implementation=spec) as cluster:
+        for case in cases:
+            verdict = judge_case(cluster, case.id, isolate=True)
+            row = summarize(verdict)
+            row["failed"] = sorted({c.name for c in verdict.failed_checks})
+            row["passed_names"] = sorted({c.name for c in verdict.checks if c.passed})
+            rows[case.id] = row
+            progress(f"  {verdict.status:<11} {case.id:<8} {verdict.first_failure[:90]}")
+    return rows
+
+
 @dataclass
 class Finding:
     """One defect judged: the checks that fail with it and pass without it."""
@@ -98,13 +113,21 @@ class Finding:
 
 
 def compare(defect: dict[str, Any], with_defect: TreeRun, without: TreeRun) -> Finding:
-    """Found where a case fails (or errs, hangs, dies) with the defect and passes without it, or L4
-    meets a failure with the defect it does not meet without it."""
+    """Found where a case fails (or errs, hangs, dies) with the defect and passes without it, or
+    fails on both but with checks that pass without it; or L4 meets a failure with the defect it
+    does not meet without it."""
     finding = Finding(defect, with_defect.tree, without.tree, seconds=with_defect.seconds)
     for case_id, row in with_defect.cases.items():
         clean = without.cases.get(case_id, {})
-        if row["status"] in BAD and clean.get("status") == "PASS":
+        if row["status"] not in BAD:
+            continue
+        if clean.get("status") == "PASS":
             finding.cases.append({"id": case_id, "status": row["status"], "first_failure": row["first_failure"]})
+            continue
+        only_here = sorted(set(row.get("failed", ())) & set(clean.get("passed_names", ())))
+        if only_here:
+            first = f"{only_here[0]} (passes without the defect; the case fails on both)"
+            finding.cases.append({"id": case_id, "status": row["status"], "first_failure": first})
     seen_without = without.l4_signatures()
     finding.l4 = [row for row in with_defect.l4 if row["signature"] not in seen_without]
     return finding

@@ -470,6 +470,12 @@ class Example:
         label = f"layout call {index}: bytes of storage under its local shards (at most their padded shards)"
         self.ctx.true(label, sum(held.values()) <= bound, str(sum(held.values())), f"<= {bound}")
 
+    def _layout_broken(self) -> bool:
+        """Whether a layout check failed on any rank (one all-reduce, so every rank stops together)."""
+        broken = torch.tensor([float(any(not check.passed for check in self.ctx.checks))])
+        dist.all_reduce(broken, op=dist.ReduceOp.MAX)
+        return bool(broken.item())
+
     def _placements(self, plan: ParamPlan) -> list[str]:
         inner = str(impl.Replicate()) if plan.kind == "replicated" else str(impl.Shard(plan.dim))
         if plan.mesh == "mesh" and self.config.hsdp:
@@ -479,6 +485,8 @@ class Example:
     # -- training ------------------------------------------------------------------------------
     def run(self) -> None:
         self.shard()
+        if self._layout_broken():
+            return  # training on a wrong layout only repeats the failure, or raises and hides it
         opts = self._optimizer(self.model.parameters()), self._optimizer(self.reference.master.parameters())
         for index, step in enumerate(self.config.steps):
             self._controls(step)
