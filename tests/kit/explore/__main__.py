@@ -143,34 +143,20 @@ def main(argv: list[str] | None = None) -> int:
         isolate = args.isolate or needs_fresh_engines(cluster)
         bar, on_example = _progress(args.examples, args.quiet)
         started = time.monotonic()
+        draws = {  # what both modes draw and how they run it
+            "examples": args.examples,
+            "seed": args.seed,
+            "max_world": args.max_world,
+            "min_world": args.min_world,
+            "isolate": isolate,
+            "avoid": tuple(known),
+            "on_example": on_example,
+        }
         if args.keep_going:
-            survey = explore_all(
-                cluster,
-                features,
-                examples=args.examples,
-                seed=args.seed,
-                max_world=args.max_world,
-                min_world=args.min_world,
-                isolate=isolate,
-                avoid=tuple(known),
-                shrink_budget_s=args.shrink_budget,
-                on_example=on_example,
-            )
+            survey = explore_all(cluster, features, shrink_budget_s=args.shrink_budget, **draws)
             bar.close()
             return _report_survey(args, survey, features, known, started)
-        found = explore(
-            cluster,
-            features,
-            examples=args.examples,
-            seed=args.seed,
-            max_world=args.max_world,
-            min_world=args.min_world,
-            isolate=isolate,
-            budget_s=args.budget,
-            profile=args.profile,
-            on_example=on_example,
-            avoid=tuple(known),
-        )
+        found = explore(cluster, features, budget_s=args.budget, profile=args.profile, **draws)
         bar.close()
     print(found.summary())
     print(f"implementation {args.implementation or '(ours)'}; features drawn from: {', '.join(sorted(features))}")
