@@ -31,6 +31,14 @@ def _cell_l4(finding: dict[str, Any]) -> str:
     return "<br>".join(rows) or "none"
 
 
+def _built(defect: dict[str, Any]) -> str:
+    """How the defect's trees were made, with any later fix applied to both."""
+    text = f"{defect['build']}: {', '.join(defect['paths'])}"
+    for later, paths in defect.get("also", ()):
+        text += f"; both trees with {later}'s {', '.join(paths)}"
+    return html.escape(text)
+
+
 def _head_survey(data: dict[str, Any]) -> str:
     head = data["upstream_head"][:10]
     runs = [run for key, run in data["trees"].items() if Path(key.split("|")[0]).name == head]
@@ -62,7 +70,7 @@ def write_page(out: Path, data: dict[str, Any]) -> Path:
         why = html.escape(f["error"]) if f["error"] else ""
         rows.append(
             f"<tr class='{verdict}'><td>{d['id']}</td><td><code>{d['fix']}</code> {html.escape(d['subject'])}</td>"
-            f"<td>{html.escape(d['what'])}</td><td>{d['build']}: {html.escape(', '.join(d['paths']))}</td>"
+            f"<td>{html.escape(d['what'])}</td><td>{_built(d)}</td>"
             f"<td>{label} {why}</td><td>{_cell_cases(f)}</td><td>{_cell_l4(f)}</td></tr>"
         )
     body = (
