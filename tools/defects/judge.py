@@ -4,6 +4,7 @@ then compare a defect's tree with the same tree without the defect."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,8 +40,6 @@ def judge_tree(
 ) -> TreeRun:
     """The plan cases and an L4 survey of the upstream tree at ``tree`` (each distinct failure
     shrunk once where ``shrink``: upstream's head; elsewhere only the signatures are compared)."""
-    import time
-
     from tests.kit.cluster import RankCluster
     from tests.kit.explore.runner import explore_all, features_of, known_defects_of
 

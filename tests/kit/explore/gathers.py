@@ -33,8 +33,8 @@ class GatherLedger:
     calls: dict[Unit, int]
     unsharded: set[Unit] = field(default_factory=set)
     rows: dict[Unit, Bounds] = field(default_factory=dict)
-    unknown: dict[Unit, int] = field(default_factory=dict)
     skip_backward: set[Unit] = field(default_factory=set)
+    unknown: dict[Unit, int] = field(default_factory=dict)
 
     def _gather(self, unit: Unit) -> Bounds:
         """(least, most) elements bringing ``unit`` back from its state now."""

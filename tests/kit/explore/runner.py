@@ -132,11 +132,14 @@ class Exploration:
     def passed(self) -> bool:
         return self.minimal is None
 
-    def summary(self) -> str:
+    def head(self) -> str:
+        """What ran, how fast (the summary's first words)."""
         rate = 60 * self.drawn / self.seconds if self.seconds else 0.0
         head = f"L4: {self.drawn} configurations drawn, {self.examples} run, {self.seconds:.0f} s ({rate:.0f} a minute)"
-        if self.budget_spent:
-            head += ", time budget spent"
+        return head + (", time budget spent" if self.budget_spent else "")
+
+    def summary(self) -> str:
+        head = self.head()
         if self.passed:
             return head + ": no failure"
         size = self.minimal.config.size()
@@ -203,7 +206,7 @@ def explore(
 
 
 @dataclass
-class Defect:
+class DistinctFailure:
     """One distinct way an implementation failed in a keep-going exploration."""
 
     signature: str
@@ -218,15 +221,14 @@ class Survey:
     """What a keep-going exploration ran and found: every distinct failure, each shrunk once."""
 
     exploration: Exploration
-    defects: list[Defect] = field(default_factory=list)
+    defects: list[DistinctFailure] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
         return not self.defects
 
     def summary(self) -> str:
-        head = self.exploration.summary().split(": FAIL")[0].removesuffix(": no failure")
-        lines = [f"{head}: {len(self.defects)} distinct failure(s)"]
+        lines = [f"{self.exploration.head()}: {len(self.defects)} distinct failure(s)"]
         for number, defect in enumerate(self.defects, 1):
             shown = defect.minimal or defect.first
             size = shown.config.size()
@@ -266,7 +268,7 @@ def explore_all(
 
     survey = Survey(Exploration())
     started = time.monotonic()
-    by_signature: dict[str, Defect] = {}
+    by_signature: dict[str, DistinctFailure] = {}
 
     def record(result: ExampleResult, shrinking: bool) -> None:
         if on_example is not None:
@@ -279,7 +281,7 @@ def explore_all(
             if result.signature in by_signature:
                 by_signature[result.signature].count += 1
             else:
-                by_signature[result.signature] = Defect(result.signature, result)
+                by_signature[result.signature] = DistinctFailure(result.signature, result)
 
     draw = configs(features, min(max_world, cluster.n_engines), min(min_world, max_world), avoid)
 
