@@ -36,6 +36,8 @@ class Defect:
     paths: tuple[str, ...] = ("hyper_parallel",)
     levels: tuple[str, ...] = INTERFACE_CASES
     also: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (later fix, its paths) applied to both trees
+    # where the kit cannot be expected to find it: why, in a line (shown only if it is not found)
+    beyond: str = ""
 
 
 DEFECTS: tuple[Defect, ...] = (
@@ -106,6 +108,35 @@ DEFECTS: tuple[Defect, ...] = (
         "upstream's get_model_state_dict / load_state_dict: dtype-unsafe reduction and loading of sharded values",
         "parent",
         also=POLICY_DEFAULTS,
+        beyond="upstream's own state-dict helpers, outside the fully_shard surface the kit drives (it takes state "
+        "dicts through torch's); and the policy defaults do not forward-port onto its parent",
+    ),
+    Defect(
+        "D8",
+        "e0c4227",
+        "fix_main_grad",
+        "the policy has no fp32 main grad (apply_grad_on_fp32_main_grad): reduced grads land in .grad in "
+        "the param dtype (the fix added the option with the accumulation into main_grad)",
+        "revert",
+        ("hyper_parallel/platform/torch/fully_shard/param.py", "hyper_parallel/platform/torch/fully_shard/utils.py"),
+    ),
+    Defect(
+        "D9",
+        "a9e037a",
+        "support fsdp sharded_param.grad to be a DTensor",
+        "a sharded param's grad is its plain local tensor, not a DTensor over the mesh as its param",
+        "parent",
+        also=POLICY_DEFAULTS,
+    ),
+    Defect(
+        "D10",
+        "9594cc2",
+        "fix_fully_shard_bug",
+        "Replicate() hashes as Shard(0) does (0)",
+        "revert",
+        ("hyper_parallel/core/placement_types.py",),
+        beyond="outside what the API promises: equal hashes are legal, equality still tells the placements "
+        "apart, and no code of upstream's keys on a placement's hash alone",
     ),
 )
 

@@ -23,10 +23,15 @@ class TreeRun:
     cases: dict[str, dict[str, Any]] = field(default_factory=dict)  # case id -> verdict summary
     l4: list[dict[str, Any]] = field(default_factory=list)  # distinct failures: signature, count, smallest
     l4_drawn: int = 0
+    l4_checks: dict[str, int] = field(default_factory=dict)  # every failed check's signature -> configurations
     seconds: float = 0.0
 
     def l4_signatures(self) -> set[str]:
         return {row["signature"] for row in self.l4}
+
+    def l4_failed_checks(self) -> set[str]:
+        """Every check L4 saw fail, first or not (a defect may fail a check behind another's)."""
+        return set(self.l4_checks) | self.l4_signatures()
 
 
 def judge_tree(
@@ -63,6 +68,7 @@ def judge_tree(
                 save_dir=tree.parent / "l4",
             )
         run.l4_drawn = survey.exploration.drawn
+        run.l4_checks = dict(survey.failed_checks)
         for defect in survey.defects:
             shown = defect.minimal or defect.first
             row = {"signature": defect.signature, "count": defect.count, "smallest": shown.id}
@@ -113,8 +119,8 @@ class Finding:
 
 def compare(defect: dict[str, Any], with_defect: TreeRun, without: TreeRun) -> Finding:
     """Found where a case fails (or errs, hangs, dies) with the defect and passes without it, or
-    fails on both but with checks that pass without it; or L4 meets a failure with the defect it
-    does not meet without it."""
+    fails on both but with checks that pass without it; or L4 sees a check fail with the defect
+    (first or behind another failing check) that it never sees fail without it."""
     finding = Finding(defect, with_defect.tree, without.tree, seconds=with_defect.seconds)
     for case_id, row in with_defect.cases.items():
         clean = without.cases.get(case_id, {})
@@ -127,6 +133,8 @@ def compare(defect: dict[str, Any], with_defect: TreeRun, without: TreeRun) -> F
         if only_here:
             first = f"{only_here[0]} (passes without the defect; the case fails on both)"
             finding.cases.append({"id": case_id, "status": row["status"], "first_failure": first})
-    seen_without = without.l4_signatures()
+    seen_without = without.l4_failed_checks()
     finding.l4 = [row for row in with_defect.l4 if row["signature"] not in seen_without]
+    behind = sorted(set(with_defect.l4_checks) - seen_without - {row["signature"] for row in finding.l4})
+    finding.l4 += [{"signature": name, "count": with_defect.l4_checks[name], "behind": True} for name in behind]
     return finding

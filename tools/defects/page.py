@@ -24,7 +24,9 @@ def _cell_cases(finding: dict[str, Any]) -> str:
 
 def _cell_l4(finding: dict[str, Any]) -> str:
     rows = [
-        f"{html.escape(r['signature'])} ({r['count']}x; smallest <code>{r['smallest']}</code>, "
+        f"{html.escape(r['signature'])} ({r['count']}x, behind another failing check)"
+        if r.get("behind")
+        else f"{html.escape(r['signature'])} ({r['count']}x; smallest <code>{r['smallest']}</code>, "
         f"world {r['size']['world']}, {r['size']['groups']} group(s))"
         for r in finding["l4"]
     ]
@@ -68,13 +70,17 @@ def write_page(out: Path, data: dict[str, Any]) -> Path:
         verdict = "error" if f["error"] else "found" if f["found"] else "missed"
         label = {"found": "FOUND", "missed": "not found", "error": "not built"}[verdict]
         why = html.escape(f["error"]) if f["error"] else ""
+        if verdict != "found" and d.get("beyond"):
+            why += f"<br><i>why the kit cannot: {html.escape(d['beyond'])}</i>"
         rows.append(
             f"<tr class='{verdict}'><td>{d['id']}</td><td><code>{d['fix']}</code> {html.escape(d['subject'])}</td>"
             f"<td>{html.escape(d['what'])}</td><td>{_built(d)}</td>"
             f"<td>{label} {why}</td><td>{_cell_cases(f)}</td><td>{_cell_l4(f)}</td></tr>"
         )
+    explained = sum(not f["found"] and bool(f["defect"].get("beyond")) for f in findings)
     body = (
-        f"<h1>Upstream's defects against the kit</h1><p>Found {found} of {len(findings)} "
+        f"<h1>Upstream's defects against the kit</h1><p>Found {found} of {len(findings)}, "
+        f"{explained} more beyond what the kit can judge (each says why) "
         f"(upstream head {data['upstream_head'][:10]}; {data['seconds']:.0f} s). A defect is found where a "
         "check fails with it and passes on the same tree without it.</p>"
         "<table><tr><th>id</th><th>fix</th><th>the defect</th><th>built as</th><th>verdict</th>"

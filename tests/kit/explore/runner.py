@@ -65,6 +65,7 @@ class ExampleResult:
     checks: int = 0
     seconds: float = 0.0
     signature: str = ""  # how it failed, without the numbers and names of this configuration
+    signatures: frozenset[str] = frozenset()  # every failed check's, generic (a layout stop checks all first)
 
     @property
     def id(self) -> str:
@@ -88,7 +89,8 @@ def run_config(
     try:
         results = cluster.run(run_example, config.world, config.to_json(), timeout=timeout)
     except RankFailure as failure:
-        return ExampleResult(config, False, str(failure)[:4000], 0, time.monotonic() - started, _raised(failure))
+        raised = _raised(failure)
+        return ExampleResult(config, False, str(failure)[:4000], 0, time.monotonic() - started, raised, frozenset({raised}))
     checks = [Check(**c) for result in results for c in result["checks"]]
     failed = [c for c in checks if not c.passed]
     text = "; ".join(
@@ -97,7 +99,8 @@ def run_config(
     if len(failed) > 4:
         text += f"; and {len(failed) - 4} more failed checks"
     signature = generic(failed[0].name) if failed else ""
-    return ExampleResult(config, not failed, text, len(checks), time.monotonic() - started, signature)
+    every = frozenset(generic(c.name) for c in failed)
+    return ExampleResult(config, not failed, text, len(checks), time.monotonic() - started, signature, every)
 
 
 def generic(text: str) -> str:
@@ -222,6 +225,7 @@ class Survey:
 
     exploration: Exploration
     defects: list[DistinctFailure] = field(default_factory=list)
+    failed_checks: Counter = field(default_factory=Counter)  # every failed check's signature -> configurations
 
     @property
     def passed(self) -> bool:
@@ -278,6 +282,7 @@ def explore_all(
         survey.exploration.drawn += 1
         survey.exploration.coverage.update(result.config.coverage().items())
         if not result.passed:
+            survey.failed_checks.update(result.signatures)
             if result.signature in by_signature:
                 by_signature[result.signature].count += 1
             else:
