@@ -154,6 +154,7 @@ L4_NOTEBOOK = "L4_generalization.ipynb"
 L4_PARAMETERS = """\
 seed = 0                   # Hypothesis seed: the same configurations everywhere
 examples = 20              # configurations to draw (nbval's run in `make test` is this budget)
+cover = True               # first the covering phase: the fewest configurations holding every pair of features
 max_world_size = 4         # largest world size drawn (1..8; the cluster needs as many engines)
 implementation = ""        # implementation under test: "" (ours), a checkout PATH, "torch", "upstream:PATH"
 time_budget = 0            # seconds; stop drawing after them (0: no limit)
@@ -180,7 +181,8 @@ def build_l4() -> nbformat.NotebookNode:
         new_markdown_cell(
             "# L4 — generalization\n\nConfigurations of the whole `fully_shard` API drawn at random "
             "(world size and mesh, a model from a small grammar, which modules are sharded with which "
-            "options, a schedule of steps and controls), each run on the warm cluster against what the API "
+            "options, a schedule of steps and controls), after a covering phase that holds every pair of "
+            "features at least once, each run on the warm cluster against what the API "
             "promises for it (`tests/kit/explore/`), and a failure shrunk by Hypothesis to its smallest "
             "configuration, saved under `runs/l4/` and replayable. Headless:\n\n"
             "    papermill notebooks/L4_generalization.ipynb out.ipynb -p examples 100 -p seed 3\n"
@@ -191,8 +193,14 @@ def build_l4() -> nbformat.NotebookNode:
         _code(L4_PARAMETERS, "parameters"),
         _code(L4_SETUP),
         _code("cluster = nb.connect(cluster_id, profile, engines, implementation)\ncluster", "nbval-ignore-output"),
-        _code("done = l4.run(cluster, seed, examples, max_world_size, time_budget, replay)", "nbval-ignore-output"),
-        new_markdown_cell("## Summary\nHow many configurations were drawn, and how often each option came up."),
+        _code(
+            "done = l4.run(cluster, seed, examples, max_world_size, time_budget, replay, cover)", "nbval-ignore-output"
+        ),
+        new_markdown_cell(
+            "## Summary\nHow many configurations ran (the covering phase's, then the drawn ones), the pairs of "
+            "features and of option values they reached out of those the grammar allows, and how often each "
+            "option came up."
+        ),
         _code("print(l4.summary_text(done))"),
         new_markdown_cell("## What was drawn"),
         _code("from IPython.display import HTML\n\nHTML(l4.coverage_html(done))", "nbval-ignore-output"),

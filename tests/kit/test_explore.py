@@ -87,6 +87,14 @@ class _TwoDefectsCluster(_FakeCluster):
         return [{"checks": checks, "series": {}, "figures": {}, "notes": []}] * world
 
 
+class _PassingCluster(_FakeCluster):
+    """Every configuration passes."""
+
+    def run(self, fn, world, config_json, timeout):
+        check = _FakeCluster.run(self, fn, world, config_json, timeout)[0]["checks"][0]
+        return [{"checks": [{**check, "passed": True}], "series": {}, "figures": {}, "notes": []}] * world
+
+
 def test_keep_going_lists_each_distinct_failure_shrunk_once(tmp_path):
     from tests.kit.explore.runner import explore_all
 
@@ -110,6 +118,37 @@ def test_a_failure_is_shrunk_to_a_minimal_configuration_and_saved(tmp_path):
     saved = json.loads(found.saved.read_text())
     assert Config.from_json(saved["config"]) == found.minimal.config
     assert load(found.saved) == found.minimal.config
+
+
+def test_the_covering_phase_holds_every_pair_of_features_its_pool_holds(tmp_path, monkeypatch):
+    """The covering configurations hold every pair of features the pool shows possible, fewer of
+    them than random draws need for that, the same ones on every machine (drawn again or cached)."""
+    from tests.kit.explore import pairs
+
+    monkeypatch.setattr(pairs, "POOL", 80)
+    monkeypatch.setattr(pairs, "CACHE", tmp_path)
+    first = pairs.covering(ALL, 4)
+    possible = len(first.feature_pairs)
+    assert first.measure(first.configs)["feature pairs"] == (possible, possible)
+    drawn = pairs._pool(ALL, 4, 1, ())[: len(first.configs)]
+    assert first.measure(drawn)["feature pairs"][0] < possible, "as many random draws hold them all"
+    assert pairs.covering(ALL, 4).configs == first.configs  # from the cache
+    for cached in tmp_path.iterdir():
+        cached.unlink()
+    assert pairs.covering(ALL, 4).configs == first.configs  # drawn again
+
+
+def test_an_exploration_says_which_pairs_it_reached(tmp_path, monkeypatch):
+    from tests.kit.explore import pairs
+
+    monkeypatch.setattr(pairs, "POOL", 40)
+    monkeypatch.setattr(pairs, "CACHE", tmp_path / "cover")
+    found = explore(_PassingCluster(), ALL, examples=5, seed=1, max_world=4, save_dir=tmp_path)
+    assert found.passed and found.covering > 0 and found.drawn == 5
+    covered, possible = found.pairs["feature pairs"]
+    assert covered == possible > 0, found.pairs
+    assert f"feature pairs {covered}/{possible}" in found.pairs_line()
+    assert f"{found.covering} covering + 5 configurations drawn" in found.summary()
 
 
 def _replayed(request) -> list[Path | str]:

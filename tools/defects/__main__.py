@@ -2,6 +2,7 @@
 
     python -m tools.defects --upstream /path/to/hyper-parallel[.git]        # every defect, L0+L1, L4
     python -m tools.defects --upstream URL --only D1,D6 --l4-examples 20 --seed 0
+    python -m tools.defects --rejudge runs/defects-<time>    # the same runs judged again (no run)
 
 For each defect of ``tools/defects/catalogue.py`` it rebuilds upstream's tree with the defect and
 the same tree without it (from upstream's history, under ``runs/defects-<time>/``), judges both with
@@ -31,7 +32,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tools.defects", description=__doc__.splitlines()[0])
-    parser.add_argument("--upstream", required=True, help="upstream's git directory (a clone, a mirror) or URL")
+    parser.add_argument("--upstream", default="", help="upstream's git directory (a clone, a mirror) or URL")
+    parser.add_argument(
+        "--rejudge", default="", help="a finished run's folder: compare its saved runs again with today's rules"
+    )
     parser.add_argument("--only", default="", help="defect ids, e.g. D1,D6 (default: all)")
     parser.add_argument("--levels", default="", help="plan levels to judge with, e.g. L1 (default: each defect's)")
     parser.add_argument("--l4-examples", type=int, default=10, help="L4 configurations per tree (0: no L4)")
@@ -43,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.rejudge:
+        return _rejudge(Path(args.rejudge))
+    if not args.upstream:
+        raise SystemExit("--upstream is required (or --rejudge a finished run's folder)")
     try:
         defects = select(args.only)
     except ValueError as exc:
@@ -89,6 +97,36 @@ def main(argv: list[str] | None = None) -> int:
     page = _save(out, head, findings, runs, started)
     found = sum(f.found for f in findings)
     print(f"defects found: {found} / {len(findings)} in {time.monotonic() - started:.0f} s; page: {page}")
+    return 0
+
+
+def _rejudge(out: Path) -> int:
+    """Findings and page of a finished run again, from its saved tree runs, with today's comparison
+    and catalogue (nothing is run)."""
+    from tools.defects.catalogue import DEFECTS
+    from tools.defects.judge import Finding, TreeRun, compare
+
+    path = out / "defects.json"
+    if not path.exists():
+        raise SystemExit(f"--rejudge: no defects.json under {out}")
+    data = json.loads(path.read_text())
+    runs = {key: TreeRun(**run) for key, run in data["trees"].items()}
+    known = {d.id: asdict(d) for d in DEFECTS}
+    findings = []
+    for old in data["findings"]:
+        defect = known.get(old["defect"]["id"], old["defect"])
+        if old["error"]:
+            findings.append(Finding(defect, error=old["error"]))
+            continue
+        with_key = next(k for k in runs if k.split("|")[0] == old["defect_tree"])
+        without_key = next(k for k in runs if k.split("|")[0] == old["fixed_tree"])
+        finding = compare(defect, runs[with_key], runs[without_key])
+        finding.seconds = old["seconds"]
+        findings.append(finding)
+    data["findings"] = [f.as_dict() for f in findings]
+    path.write_text(json.dumps(data, indent=1, sort_keys=True))
+    page = write_page(out, data)
+    print(f"defects found: {sum(f.found for f in findings)} / {len(findings)} (rejudged); page: {page}")
     return 0
 
 

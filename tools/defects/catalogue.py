@@ -56,6 +56,11 @@ DEFECTS: tuple[Defect, ...] = (
         "a param's local shard is a slice (a view) of the whole tensor, so sharding frees nothing",
         "revert",
         ("hyper_parallel/core/layout.py",),
+        beyond="unreachable through the API at upstream's head: torch's fully_shard chunks and clones its shards "
+        "itself (param.py); the fixed helper only slices for distribute_tensor, which fully_shard reaches only "
+        "when HSDPModule.load_state_dict fills meta shards, and to_empty on a sharded meta model raises first "
+        "('_has_compatible_shallow_copy_type dose not contain parallel layout infer func'); L4's storage check "
+        "(layout: bytes under the local shards) finds the same bug in ours (mutant 64)",
     ),
     Defect(
         "D2",

@@ -118,12 +118,18 @@ class Finding:
 
 
 def compare(defect: dict[str, Any], with_defect: TreeRun, without: TreeRun) -> Finding:
-    """Found where a case fails (or errs, hangs, dies) with the defect and passes without it, or
+    """Found where a case fails (or errs, hangs, dies, or is refused while running) with the defect
+    and passes without it, or
     fails on both but with checks that pass without it; or L4 sees a check fail with the defect
     (first or behind another failing check) that it never sees fail without it."""
     finding = Finding(defect, with_defect.tree, without.tree, seconds=with_defect.seconds)
     for case_id, row in with_defect.cases.items():
         clean = without.cases.get(case_id, {})
+        if row["status"] == "UNSUPPORTED" and clean and clean.get("status") != "UNSUPPORTED":
+            # refused with the defect (a feature the tree without it runs): taken away by the defect
+            why = f"refused with the defect ({row['first_failure']}), runs without it ({clean.get('status')})"
+            finding.cases.append({"id": case_id, "status": row["status"], "first_failure": why})
+            continue
         if row["status"] not in BAD:
             continue
         if clean.get("status") == "PASS":

@@ -58,6 +58,9 @@ KNOWN_DEFECTS = {
     frozenset({"last_backward"}): "after a backward under set_is_last_backward(False) the post-forward order "
     "is kept, so the next backward's implicit prefetch follows a stale entry and all-gathers a module "
     "it has just resharded: a wasted all-gather, and that module left unsharded (replay b65534cf62)",
+    frozenset({"unshard_across_step"}): "an async unshard issued before the optimizer step copies the shards at "
+    "issue: waited after the step, the module computes with the params before the step (no guard; L1-01's "
+    "extra check; replay 2649083d4e)",
 }
 
 

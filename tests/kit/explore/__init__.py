@@ -10,6 +10,8 @@ One concept per file:
 - ``oracle``: on every rank, the configuration run against its reference (what the API promises:
   the kit's explicit data-parallel reference) and the invariants every configuration keeps,
   recorded as the kit's checks;
+- ``pairs``: pairwise coverage, and the covering phase run before the random draws;
+- ``gathers``: which sharded modules are unsharded at each moment, so what must be all-gathered;
 - ``runner``: the driver side: run one configuration on the cluster, explore (draw, run, shrink,
   save), replay a saved failure, count what was drawn;
 - ``__main__``: ``python -m tests.kit.explore``.

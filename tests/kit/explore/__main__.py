@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from tests.kit.explore.pairs import covering as covering_of
 from tests.kit.explore.runner import (
     ExampleResult,
     coverage_rows,
@@ -70,6 +71,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="fresh engines for every configuration (slow: seconds each; on by itself for an implementation "
         "whose adapter says it needs them, as upstream's)",
+    )
+    parser.add_argument(
+        "--no-cover",
+        action="store_true",
+        help="no covering phase (the configurations holding every pair of features, run before the draws)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -141,16 +147,22 @@ def main(argv: list[str] | None = None) -> int:
         features = features_of(cluster) - set(_without(args))
         known = {} if args.with_known_defects else known_defects_of(cluster)
         isolate = args.isolate or needs_fresh_engines(cluster)
-        bar, on_example = _progress(args.examples, args.quiet)
         started = time.monotonic()
+        avoid = tuple(known)
+        covering = 0
+        if not args.no_cover:  # drawn (not run) here so the bar knows the total; explore reads the cache
+            max_world = min(args.max_world, cluster.n_engines)
+            covering = len(covering_of(features, max_world, min(args.min_world, max_world), avoid).configs)
+        bar, on_example = _progress(args.examples + covering, args.quiet)
         draws = {  # what both modes draw and how they run it
             "examples": args.examples,
             "seed": args.seed,
             "max_world": args.max_world,
             "min_world": args.min_world,
             "isolate": isolate,
-            "avoid": tuple(known),
+            "avoid": avoid,
             "on_example": on_example,
+            "cover": not args.no_cover,
         }
         if args.keep_going:
             survey = explore_all(cluster, features, shrink_budget_s=args.shrink_budget, **draws)
@@ -159,10 +171,11 @@ def main(argv: list[str] | None = None) -> int:
         found = explore(cluster, features, budget_s=args.budget, profile=args.profile, **draws)
         bar.close()
     print(found.summary())
+    print(found.pairs_line())
     print(f"implementation {args.implementation or '(ours)'}; features drawn from: {', '.join(sorted(features))}")
     for names, why in sorted(known.items(), key=lambda item: sorted(item[0])):
         print(f"not drawn together (a known defect; --with-known-defects draws it): {' + '.join(sorted(names))}: {why}")
-    print(_coverage_table(found.coverage, found.drawn))
+    print(_coverage_table(found.coverage, found.drawn + found.covering))
     if found.minimal is not None:
         print("minimal failing configuration (replay: python -m tests.kit.explore --replay " + found.minimal.id + "):")
         print(json.dumps(json.loads(found.minimal.config.to_json()), indent=1, sort_keys=True))
@@ -173,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 def _report_survey(args: argparse.Namespace, survey: Any, features: frozenset[str], known: dict, started: float) -> int:
     """The keep-going run's page: each distinct failure, its count, its smallest configuration."""
     print(survey.summary())
+    print(survey.exploration.pairs_line())
     print(f"implementation {args.implementation or '(ours)'}; features drawn from: {', '.join(sorted(features))}")
     for names, why in sorted(known.items(), key=lambda item: sorted(item[0])):
         print(f"not drawn together (a known defect; --with-known-defects draws it): {' + '.join(sorted(names))}: {why}")
@@ -188,7 +202,7 @@ def _coverage_table(coverage: Counter, drawn: int) -> str:
     """What came up, as text: option, value, configurations."""
     rows = coverage_rows(coverage)
     width = max((len(f"{o} = {v}") for o, v, _ in rows), default=10)
-    lines = [f"what the {drawn} drawn configurations used:"]
+    lines = [f"what the {drawn} configurations run (covering and drawn) used:"]
     lines += [f"  {f'{o} = {v}'.ljust(width)}  {n}" for o, v, n in rows]
     return "\n".join(lines)
 

@@ -46,6 +46,10 @@ class GatherLedger:
             return 0, self.unknown[unit]
         return self.sizes[unit], self.sizes[unit]
 
+    def gather(self, unit: Unit) -> Bounds:
+        """(least, most) elements bringing ``unit`` back now."""
+        return self._gather(unit)
+
     def forward(self) -> Bounds:
         """(least, most) elements the coming forward all-gathers: every unit not unsharded, once."""
         least = most = 0

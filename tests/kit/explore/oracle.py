@@ -263,10 +263,14 @@ class Example:
         self.after_forward: dict[tuple[int, str], dict[str, int]] = {}
         self.reached: set[int] = set()  # the calls whose modules backward reached in this micro-batch
         self._recording_forward = False
+        self.forward_prefetch: dict[Unit, list[Unit]] = {}  # unit -> the units its forward prefetches
+        self.started: list[Unit] = []  # the units whose forward has started, in this forward
+        self._forward_rec: CollectiveRecorder | None = None
+        self._where = ""
         # the effective reshard settings per call: None = True except for the root
         self.reshard_after_forward = [g.reshard_after_forward for g in config.groups]
         self.reshard_after_backward = [True] * len(config.groups)
-        skipped = {unit for unit in self._units() if not config.groups[unit[0]].unshard_in_backward}
+        skipped = {unit for unit in self._units() if config.groups[unit[0]].skips_backward_gather}
         self.gathers = GatherLedger(*self._gather_sizes(), skip_backward=skipped)  # what forward/backward fetch
 
     # -- set-up --------------------------------------------------------------------------------
@@ -279,6 +283,8 @@ class Example:
             self.hsdp_modules.append(result if isinstance(result, list) else [result])
             for path, module in zip(group.paths, modules, strict=True):
                 module.register_forward_hook(self._seen_after_forward(index, path))
+                # first of its pre-forward hooks: before the implementation's own unshard
+                module.register_forward_pre_hook(self._seen_start(index, path), prepend=True)
             for module in self.hsdp_modules[-1]:
                 self._set_controls(module, group)
         if self.config.prefetch:
@@ -305,6 +311,15 @@ class Example:
             module.set_all_reduce_hook(lambda reduced: reduced.mul_(HOOK_SCALE))
         if not group.unshard_in_backward:
             module.set_unshard_in_backward(False)
+        if group.undone:  # set back: as if never set
+            if group.force_sum:
+                module.set_force_sum_reduction_for_comms(False)
+            if not group.unshard_in_backward:
+                module.set_unshard_in_backward(True)
+        if group.unused_reduce:
+            module.set_reduce_scatter_unused_params(True, recurse=False)
+        if group.separate_reduce:
+            module.set_separate_reduce_scatter_group(True, recurse=False)
 
     def _materialise(self) -> None:
         """Deferred init: the meta-built, sharded model's storage made on this rank's device, then
@@ -383,8 +398,11 @@ class Example:
             (starts, "set_modules_to_forward_prefetch"),
             (finishes[::-1], "set_modules_to_backward_prefetch"),
         ):
-            for unit, following in zip(order, order[1:], strict=False):
-                getattr(modules[unit], setter)([modules[following]])
+            for place, unit in enumerate(order[:-1]):
+                following = order[place + 1 : place + 1 + self.config.prefetch_depth]
+                getattr(modules[unit], setter)([modules[f] for f in following])
+                if setter == "set_modules_to_forward_prefetch":
+                    self.forward_prefetch[unit] = following
 
     def _unit_orders(self) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
         """The units in the order their forwards start (pre-order of the module tree, which this
@@ -403,6 +421,32 @@ class Example:
 
         walk(self.model, "")
         return starts, finishes
+
+    def _seen_start(self, index: int, module_path: str) -> Callable[..., None]:
+        """A pre-forward hook of one module of call ``index``, run before the implementation's."""
+
+        def start(module: nn.Module, args: tuple) -> None:
+            if self._recording_forward and (index, module_path) not in self.started:
+                self._check_started((index, module_path))
+
+        return start
+
+    def _check_started(self, unit: Unit) -> None:
+        """Prefetch timing: when a module's forward starts (before its own unshard), the forward has
+        all-gathered every module started before it and every module their forward lists prefetch
+        (so a prefetched module's gather is issued before it starts), and nothing beyond them."""
+        rec = self._forward_rec
+        if rec is not None:
+            due = set(self.started) | {t for u in self.started for t in self.forward_prefetch.get(u, [])}
+            least = sum(self.gathers.gather(u)[0] for u in due)
+            most = sum(self.gathers.gather(u)[1] for u in due)
+            gathered = sum(c.numel for c in rec.calls if c.op == "all_gather" and c.group_size > 1)
+            label = (
+                f"{self._where} forward, as call {unit[0]}'s module starts: elements all-gathered so far "
+                "(the modules started before it and those their lists prefetch)"
+            )
+            self.ctx.true(label, least <= gathered <= most, str(gathered), f"{least}..{most}")
+        self.started.append(unit)
 
     def _seen_after_forward(self, index: int, module_path: str) -> Callable[..., None]:
         """A forward hook of one module of call ``index``: its own params' numels once its forward
@@ -493,15 +537,16 @@ class Example:
         if self._layout_broken():
             return  # training on a wrong layout only repeats the failure, or raises and hides it
         opts = self._optimizer(self.model.parameters()), self._optimizer(self.reference.master.parameters())
-        for index, step in enumerate(self.config.steps):
+        steps = self.config.steps
+        for index, step in enumerate(steps):
+            if step.reset_iter_state:  # nothing in flight here: it only reshards
+                self.hsdp_modules[-1][0].reset_iter_state()
+                self.gathers.maybe_resharded()
             self._controls(step)
             if step.state_dict_at == "before":
                 self._state_dict_round_trip(f"step {index} before forward")
-            if step.unshard is not None:
-                handle = self.hsdp_modules[step.unshard][0].unshard(async_op=True)
-                if handle is not None:
-                    handle.wait()
-                self.gathers.mark([(step.unshard, self.config.groups[step.unshard].paths[0])], True)
+            if step.unshard is not None and not (index and step.unshard_how == "across step"):
+                self._unshard(step.unshard, step.unshard_how)
             for micro, syncs in enumerate(step.micro):
                 self._micro(index, micro, step, syncs)
                 if micro == 0 and step.zero_held:  # what was held back is dropped, as the plan's L1-04 says
@@ -515,11 +560,38 @@ class Example:
                         module.reshard()
                 self.gathers.all_resharded()
             self._check_grads(f"step {index}")
+            following = steps[index + 1] if index + 1 < len(steps) else None
+            across = following is not None and following.unshard is not None and following.unshard_how == "across step"
+            handle = self.hsdp_modules[following.unshard][0].unshard(async_op=True) if across else None
             with impl.optimizer_step():
                 for opt in opts:
                     opt.step()
             self._zero_grad(step, opts)
             self._check_params(f"step {index}")
+            if across:  # issued before the step, waited after it: the next forward must use the stepped params
+                if handle is not None:
+                    handle.wait()
+                # unsharded, but stale: gathered again (at the wait or at the next unshard): either way
+                self._mark_unsharded(following.unshard)
+                self.gathers.maybe_resharded()
+
+    def _unshard(self, index: int, how: str) -> None:
+        """Call ``index``'s first module unsharded before the step's first forward, as ``how`` says."""
+        module = self.hsdp_modules[index][0]
+        if how == "sync" or how == "then reshard":
+            self.ctx.true(f"unshard() of call {index} returns None", module.unshard() is None)
+        else:
+            handle = module.unshard(async_op=True)
+            if handle is not None:
+                handle.wait()
+        if how == "then reshard":
+            module.reshard()
+            self.gathers.mark([(index, self.config.groups[index].paths[0])], False)
+        else:
+            self._mark_unsharded(index)
+
+    def _mark_unsharded(self, index: int) -> None:
+        self.gathers.mark([(index, self.config.groups[index].paths[0])], True)
 
     def _optimizer(self, params: Any) -> torch.optim.Optimizer:
         if self.config.optimizer == "adamw":
@@ -579,14 +651,7 @@ class Example:
         self.after_forward.clear()
         self.reached.clear()
         gathers, calls = self.gathers.forward(), self.gathers.forward_calls()
-        with record_collectives() as forward:
-            self._recording_forward = True
-            if step.method == "forward":
-                out = self.model(*args, **kwargs)
-            else:  # a registered method runs outside __call__: no module hook of the root sees it
-                out = getattr(self.model, step.method)(*args, **kwargs)
-                self._note_forward(len(self.config.groups) - 1, "", out)
-            self._recording_forward = False
+        out, forward = self._forward(step, args, kwargs, where)
         self._check_gathers(f"{where} forward", forward, gathers, calls)
         self.gathers.after_forward(self._resharded_after_forward(), self._rows_gather)
         taken = None
@@ -613,6 +678,22 @@ class Example:
             self.model.load_state_dict(taken)
         if step.state_dict_at == "after" and last:
             self._state_dict_round_trip(f"{where} after backward")
+
+    def _forward(self, step: Any, args: tuple, kwargs: dict, where: str) -> tuple[Any, CollectiveRecorder]:
+        """The model's forward (or its registered method) with its collectives recorded and the
+        prefetch timing checked as each sharded module starts."""
+        with record_collectives() as forward:
+            self._recording_forward, self._forward_rec, self._where = True, forward, where
+            self.started = []
+            if step.method != "forward":  # the registered method gathers the root first, no hook of it runs
+                self._check_started((len(self.config.groups) - 1, ""))
+            if step.method == "forward":
+                out = self.model(*args, **kwargs)
+            else:  # a registered method runs outside __call__: no module hook of the root sees it
+                out = getattr(self.model, step.method)(*args, **kwargs)
+                self._note_forward(len(self.config.groups) - 1, "", out)
+            self._recording_forward, self._forward_rec = False, None
+        return out, forward
 
     # -- all-gathers: each sharded module's params fetched once when needed, never more -------------
     def _units(self) -> list[Unit]:
@@ -697,7 +778,7 @@ class Example:
             self._numels(label, numels, after_forward[index])
         for index in sorted(self.reached):  # a call backward never reached stays as forward left it
             resharded = self.reshard_after_backward[index]
-            kept = after_forward[index] if not self.config.groups[index].unshard_in_backward else False
+            kept = after_forward[index] if self.config.groups[index].skips_backward_gather else False
             self._numels(
                 f"{where} after backward, call {index} reshard_after_backward={resharded}",
                 self._own_numels(index),
@@ -776,6 +857,11 @@ class Example:
             grad = param.grad
             ok = grad is None if set_to_none else grad is None or not bool(full(grad).any())
             self.ctx.true(f"after zero_grad(set_to_none={set_to_none}): {path} grad cleared", ok)
+            main = getattr(param, "main_grad", None) if self.config.precision.main_grad else None
+            if main is not None:  # HyperParallel's fp32 main grad: cleared too (None or zeros)
+                self.ctx.true(
+                    f"after zero_grad(set_to_none={set_to_none}): {path} main grad cleared", not bool(full(main).any())
+                )
 
     def _check_params(self, where: str) -> None:
         masters = dict(self.reference.master.named_parameters())

@@ -40,9 +40,16 @@ class L4Run:
 
 
 def run(
-    cluster: RankCluster, seed: int, examples: int, max_world: int, budget_s: float = 0.0, replay: str = ""
+    cluster: RankCluster,
+    seed: int,
+    examples: int,
+    max_world: int,
+    budget_s: float = 0.0,
+    replay: str = "",
+    cover: bool = True,
 ) -> L4Run:
-    """Explore (printing a line every tenth configuration and for every failure), or replay one."""
+    """Explore (the covering phase first where ``cover``; a line every tenth configuration and for
+    every failure), or replay one."""
     if replay:
         result = run_config(cluster, load(replay))
         verdict = "PASS" if result.passed else "FAIL"
@@ -55,11 +62,19 @@ def run(
         if not result.passed and not shrinking:
             print(f"configuration {seen['drawn']} FAILS ({result.id}); shrinking it", flush=True)
         elif not shrinking and seen["drawn"] % 10 == 0:
-            print(f"{seen['drawn']} of {examples} configurations run", flush=True)
+            print(f"{seen['drawn']} configurations run (covering phase and {examples} drawn)", flush=True)
 
     avoid = tuple(known_defects_of(cluster))
     found = explore(
-        cluster, features_of(cluster), examples, seed, max_world, budget_s, on_example=on_example, avoid=avoid
+        cluster,
+        features_of(cluster),
+        examples,
+        seed,
+        max_world,
+        budget_s,
+        on_example=on_example,
+        avoid=avoid,
+        cover=cover,
     )
     print(found.summary(), flush=True)
     return L4Run(found, None, seed, max_world)
@@ -71,9 +86,11 @@ def summary_text(done: L4Run) -> str:
         r = done.replayed
         return f"replayed configuration {r.id}: {'PASS' if r.passed else 'FAIL'}"
     found = done.exploration
+    verdict = "no failure" if found.passed else f"FAIL, minimal configuration {found.minimal.id}"
     lines = [
-        f"L4: {found.drawn} configurations drawn (seed {done.seed}, world sizes 1..{done.max_world}): "
-        + ("no failure" if found.passed else f"FAIL, minimal configuration {found.minimal.id}")
+        f"L4: {found.covering} covering + {found.drawn} drawn configurations (seed {done.seed}, world sizes "
+        f"1..{done.max_world}): {verdict}",
+        found.pairs_line(),
     ]
     lines += [f"  {option} = {value}: {n}" for option, value, n in coverage_rows(found.coverage)]
     return "\n".join(lines)
@@ -108,7 +125,7 @@ def plot_coverage(done: L4Run) -> Any:
     for ax, (title, data) in zip(axes, panels.items(), strict=True):
         data = sorted(data, key=lambda d: (len(d[0]), d[0])) if title != "features used" else data
         ax.bar([d[0] for d in data], [d[1] for d in data], color="#1f77b4")
-        ax.set_title(f"{title} ({done.exploration.drawn} configurations)", fontsize=10)
+        ax.set_title(f"{title} ({done.exploration.drawn + done.exploration.covering} configurations)", fontsize=10)
         ax.tick_params(axis="x", rotation=60 if title != "world size" else 0, labelsize=8)
     fig.tight_layout()
     return fig
@@ -135,6 +152,8 @@ def write_results(done: L4Run, path: str) -> None:
         "passed": done.passed,
         "summary": summary_text(done).splitlines()[0],
         "drawn": found.drawn if found else 0,
+        "covering": found.covering if found else 0,
+        "pairs": found.pairs if found else {},
         "seconds": round(found.seconds, 1) if found else 0,
         "minimal": found.minimal.id if found and found.minimal else None,
     }

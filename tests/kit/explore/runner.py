@@ -29,6 +29,8 @@ from hypothesis.errors import Flaky
 from tests.kit.checks import Check
 from tests.kit.cluster import RankCluster, RankFailure
 from tests.kit.explore.oracle import run_example
+from tests.kit.explore.pairs import covering as covering_of
+from tests.kit.explore.pairs import pairs_text
 from tests.kit.explore.space import Config, configs
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -90,7 +92,8 @@ def run_config(
         results = cluster.run(run_example, config.world, config.to_json(), timeout=timeout)
     except RankFailure as failure:
         raised = _raised(failure)
-        return ExampleResult(config, False, str(failure)[:4000], 0, time.monotonic() - started, raised, frozenset({raised}))
+        seconds = time.monotonic() - started
+        return ExampleResult(config, False, str(failure)[:4000], 0, seconds, raised, frozenset({raised}))
     checks = [Check(**c) for result in results for c in result["checks"]]
     failed = [c for c in checks if not c.passed]
     text = "; ".join(
@@ -130,6 +133,8 @@ class Exploration:
     saved: Path | None = None
     failures_seen: int = 0
     budget_spent: bool = False
+    covering: int = 0  # configurations of the covering phase run (before the draws)
+    pairs: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (covered, possible)
 
     @property
     def passed(self) -> bool:
@@ -137,9 +142,15 @@ class Exploration:
 
     def head(self) -> str:
         """What ran, how fast (the summary's first words)."""
-        rate = 60 * self.drawn / self.seconds if self.seconds else 0.0
-        head = f"L4: {self.drawn} configurations drawn, {self.examples} run, {self.seconds:.0f} s ({rate:.0f} a minute)"
+        rate = 60 * (self.drawn + self.covering) / self.seconds if self.seconds else 0.0
+        cover = f"{self.covering} covering + " if self.covering else ""
+        head = f"L4: {cover}{self.drawn} configurations drawn, {self.examples} run, {self.seconds:.0f} s"
+        head += f" ({rate:.0f} a minute)"
         return head + (", time budget spent" if self.budget_spent else "")
+
+    def pairs_line(self) -> str:
+        """Pairwise coverage of what ran (covering phase and draws): covered / possible."""
+        return pairs_text(self.pairs) if self.pairs else "pairs: not measured (no covering phase)"
 
     def summary(self) -> str:
         head = self.head()
@@ -166,22 +177,38 @@ def explore(
     min_world: int = 1,
     isolate: bool = False,
     avoid: tuple[frozenset[str], ...] = (),
+    cover: bool = True,
 ) -> Exploration:
     """Draw ``examples`` configurations of ``features`` on up to ``max_world`` ranks (no more than
     the cluster has), run each, shrink the first failure to a minimal one and save it.
     ``on_example(result, shrinking)`` is told of every run (progress); ``budget_s`` > 0 stops
     drawing new configurations once that many seconds have gone (the examples left pass unrun);
-    ``avoid``: feature combinations never drawn together (``known_defects_of``)."""
+    ``avoid``: feature combinations never drawn together (``known_defects_of``); ``cover``: the
+    covering phase first (``tests.kit.explore.pairs``; a failure there is shrunk by the draws of
+    ``seed`` failing the same way, or shown as it is)."""
     if not 1 <= min_world <= max_world:
         raise ValueError(f"min_world must be in 1..max_world ({max_world}), got {min_world}")
     max_world = min(max_world, cluster.n_engines)
     found = Exploration()
     failing: list[ExampleResult] = []
     started = time.monotonic()
+    draw = configs(features, max_world, min(min_world, max_world), avoid)
+    ran: list[Config] = []
+    plan = covering_of(features, max_world, min(min_world, max_world), avoid) if cover else None
+    if plan is not None and _cover_first(cluster, plan.configs, found, ran, on_example, isolate):
+        failed = found.minimal
+        found.pairs = plan.measure(ran)
+        cache = {failed.id: failed}
+        shrunk = _shrink_one(_cached(cluster, isolate, cache), draw, failed.signature, examples, seed, 300.0)
+        found.minimal = shrunk or failed
+        found.examples += len(cache) - 1
+        found.saved = save(found.minimal, save_dir)
+        found.seconds = time.monotonic() - started
+        return found
 
     @settings(settings.get_profile(profile), max_examples=examples)
     @hypothesis_seed(seed)
-    @given(configs(features, max_world, min(min_world, max_world), avoid))
+    @given(draw)
     def every_configuration_keeps_its_promise(config: Config) -> None:
         shrinking = bool(failing)
         if not shrinking:
@@ -190,6 +217,7 @@ def explore(
                 return
             found.drawn += 1
             found.coverage.update(config.coverage().items())
+            ran.append(config)
         result = run_config(cluster, config, isolate=isolate)
         found.examples += 1
         if on_example is not None:
@@ -204,8 +232,45 @@ def explore(
         found.minimal = failing[-1]  # Hypothesis runs the minimal failing example last
         found.failures_seen = len(failing)
         found.saved = save(found.minimal, save_dir)
+    if plan is not None:
+        found.pairs = plan.measure(ran)
     found.seconds = time.monotonic() - started
     return found
+
+
+def _cover_first(
+    cluster: RankCluster,
+    covering: list[Config],
+    found: Exploration,
+    ran: list[Config],
+    on_example: Callable[[ExampleResult, bool], None] | None,
+    isolate: bool,
+) -> bool:
+    """Run the covering configurations until one fails (then ``found.minimal``, unshrunk): whether one did."""
+    for config in covering:
+        result = run_config(cluster, config, isolate=isolate)
+        found.covering += 1
+        found.examples += 1
+        ran.append(config)
+        found.coverage.update(config.coverage().items())
+        if on_example is not None:
+            on_example(result, False)
+        if not result.passed:
+            found.minimal, found.failures_seen = result, 1
+            return True
+    return False
+
+
+def _cached(cluster: RankCluster, isolate: bool, cache: dict[str, ExampleResult]) -> Callable[[Config], ExampleResult]:
+    """``run_config`` remembering every result by configuration id (a shrink replays draws)."""
+
+    def run(config: Config) -> ExampleResult:
+        key = config_id(config)
+        if key not in cache:
+            cache[key] = run_config(cluster, config, isolate=isolate)
+        return cache[key]
+
+    return run
 
 
 @dataclass
@@ -257,29 +322,30 @@ def explore_all(
     shrink_budget_s: float = 300.0,
     on_example: Callable[[ExampleResult, bool], None] | None = None,
     save_dir: Path = SAVED,
+    cover: bool = True,
 ) -> Survey:
     """Keep exploring past failures: draw and run all ``examples`` configurations, group the failing
     ones by signature (``generic`` first failing check, or what was raised), then shrink the first
     of each signature once (``shrink_budget_s`` each). The shrinking replays the same seed with a
     cache of every run, so reaching a signature's first configuration again costs no run."""
     cache: dict[str, ExampleResult] = {}
-
-    def run(config: Config) -> ExampleResult:
-        key = config_id(config)
-        if key not in cache:
-            cache[key] = run_config(cluster, config, isolate=isolate)
-        return cache[key]
-
+    run = _cached(cluster, isolate, cache)
     survey = Survey(Exploration())
     started = time.monotonic()
     by_signature: dict[str, DistinctFailure] = {}
 
-    def record(result: ExampleResult, shrinking: bool) -> None:
+    ran: list[Config] = []
+
+    def record(result: ExampleResult, shrinking: bool, covering: bool = False) -> None:
         if on_example is not None:
             on_example(result, shrinking)
         if shrinking:
             return
-        survey.exploration.drawn += 1
+        if covering:
+            survey.exploration.covering += 1
+        else:
+            survey.exploration.drawn += 1
+        ran.append(result.config)
         survey.exploration.coverage.update(result.config.coverage().items())
         if not result.passed:
             survey.failed_checks.update(result.signatures)
@@ -288,7 +354,11 @@ def explore_all(
             else:
                 by_signature[result.signature] = DistinctFailure(result.signature, result)
 
-    draw = configs(features, min(max_world, cluster.n_engines), min(min_world, max_world), avoid)
+    max_world = min(max_world, cluster.n_engines)
+    draw = configs(features, max_world, min(min_world, max_world), avoid)
+    plan = covering_of(features, max_world, min(min_world, max_world), avoid) if cover else None
+    for config in plan.configs if plan else ():
+        record(run(config), False, covering=True)
 
     @settings(settings.get_profile("ci"), max_examples=examples, phases=(Phase.explicit, Phase.generate))
     @hypothesis_seed(seed)
@@ -303,6 +373,7 @@ def explore_all(
             defect.minimal = _shrink_one(run, draw, defect.signature, examples, seed, shrink_budget_s)
             defect.saved = save(defect.minimal, save_dir) if defect.minimal is not None else None
     survey.exploration.examples = len(cache)
+    survey.exploration.pairs = plan.measure(ran) if plan else {}
     survey.exploration.seconds = time.monotonic() - started
     return survey
 

@@ -74,6 +74,14 @@ class Group:
     scaling_factor: float | None = None  # set_gradient_scaling_factor: reduced grads times it
     hook: bool = False  # set_all_reduce_hook(halving the reduced grads in place)
     unshard_in_backward: bool = True  # set_unshard_in_backward (False only where backward needs no param)
+    undone: bool = False  # force-sum and unshard_in_backward set back (False / True) after being set
+    unused_reduce: bool = False  # set_reduce_scatter_unused_params(True, recurse=False)
+    separate_reduce: bool = False  # set_separate_reduce_scatter_group(True, recurse=False)
+
+    @property
+    def skips_backward_gather(self) -> bool:
+        """Whether backward leaves this call's params sharded (set_unshard_in_backward(False), kept)."""
+        return not self.unshard_in_backward and not self.undone
 
 
 @dataclass
@@ -99,7 +107,12 @@ class Step:
     reshard_after_forward: list | None = None  # [group, flag] set before the step; group -1: the root, recurse
     reshard_after_backward: list | None = None  # [group, flag]
     sync_group: int | None = None  # held back by set_requires_gradient_sync on group i alone (recurse=False)
-    unshard: int | None = None  # a group unshard(async_op=True)-ed before the first forward
+    unshard: int | None = None  # a group unshard()-ed before the first forward, as ``unshard_how`` says
+    # "async": unshard(async_op=True), waited at once; "sync": unshard(); "then reshard": unshard(),
+    # reshard(); "across step": unshard(async_op=True) issued before the previous step's optimizer
+    # step and waited after it (the gathered params must be the stepped ones); the first step: "async"
+    unshard_how: str = "async"
+    reset_iter_state: bool = False  # the root's reset_iter_state() before the step (nothing in flight)
     state_dict_at: str = ""  # "", "before" (forward), "between" (forward and backward), "after" (backward)
     zero_grad: str = "optimizer"  # "optimizer"; "module": HSDPModule.zero_grad(); "module zeros": (False)
     zero_held: bool = False  # HSDPModule.zero_grad() after the first, held-back micro-batch (drops it)
@@ -119,6 +132,7 @@ class Config:
     groups: list[Group]  # bottom-up; the last one is the root
     precision: Precision = field(default_factory=Precision)
     prefetch: bool = False  # each group prefetches the next one forward and the previous one backward
+    prefetch_depth: int = 1  # how many following modules each prefetch list names (in their order)
     steps: list[Step] = field(default_factory=lambda: [Step()])
     optimizer: str = "sgd"
     seed: int = 0
@@ -198,6 +212,10 @@ class Config:
                     used.add(feature)
             if not g.comm_fusion:
                 used.add("comm_fusion")
+            if g.unused_reduce:
+                used.add("reduce_scatter_unused_params")
+            if g.separate_reduce:
+                used.add("separate_reduce_scatter_group")
             if g.ignored:
                 used.add("ignored_params")
             if g.replicated:
@@ -221,6 +239,10 @@ class Config:
                 used.add("reshard_controls")
             if s.unshard is not None:
                 used.add("unshard_reshard")
+                if s.unshard_how == "across step":
+                    used.add("unshard_across_step")
+            if s.reset_iter_state:
+                used.add("reset_iter_state")
             if s.state_dict_at:
                 used.add("dcp")
             if s.zero_grad != "optimizer" or s.zero_held:
@@ -368,7 +390,10 @@ def configs(
     modules, params = names(model)
     config.groups = draw(groups(config, modules, params, features))
     config.prefetch = "prefetch" in features and len(config.groups) > 1 and draw(st.booleans())
+    if config.prefetch and len(config.groups) > 2 and one_in(draw, 3):
+        config.prefetch_depth = 2
     config.steps = draw(st.lists(steps(config, features), min_size=1, max_size=3))
+    config.steps[0].reset_iter_state = False  # its use: after an iteration (torch FSDP2 raises before any)
     used = config.features()
     assume(not any(combination <= used for combination in avoid))
     return config
@@ -397,9 +422,11 @@ def groups(
     managed: set[str] = set()
     out = []
     for paths in calls:
-        own = [p for p in params if any(_under(p, path) for path in paths) and p not in managed]
+        under = [p for p in params if any(_under(p, path) for path in paths)]
+        own = [p for p in under if p not in managed]
         managed.update(own)
-        out.append(draw(group_options(config, paths, own, params, features, root=paths == [""])))
+        below = [p for p in under if p not in own]  # managed by a call below: naming them changes nothing
+        out.append(draw(group_options(config, paths, own, params, features, root=paths == [""], below=below)))
     return out
 
 
@@ -420,7 +447,10 @@ def group_options(
     params: dict[str, tuple[int, ...]],
     features: frozenset[str],
     root: bool,
+    below: list[str] = (),
 ) -> Group:
+    """One call's options; ``own``: the params it manages, ``below``: those under its modules that
+    calls below it manage (ignored or replicate params may name them too: no effect)."""
     group = Group(paths)
     if "reshard_after_forward" in features:
         group.reshard_after_forward = draw(st.sampled_from((None, True, False)))
@@ -438,18 +468,34 @@ def group_options(
     draw(reduce_controls(group, features))
     if "unshard_in_backward" in features and paths == ["embed"] and (one_in(draw, 2) or one_in(draw, 2)):
         group.unshard_in_backward = False  # an embedding's backward needs its indices, not its weight
+    if group.force_sum or not group.unshard_in_backward:
+        group.undone = one_in(draw, 4)
+    if "reduce_scatter_unused_params" in features and one_in(draw, 6):
+        group.unused_reduce = True
+    if "separate_reduce_scatter_group" in features and one_in(draw, 6):
+        group.separate_reduce = True
     free = list(own)
+    nameable = list(below)  # a call's list may name params managed below it: nothing changes for them
     if "ignored_params" in features and free and one_in(draw, 4):
-        group.ignored = draw(st.lists(st.sampled_from(free), unique=True, min_size=1, max_size=2))
+        group.ignored = _named(draw, free, nameable)
         free = [p for p in free if p not in group.ignored]
     if "replicate_params" in features and free and one_in(draw, 4):
-        group.replicated = draw(st.lists(st.sampled_from(free), unique=True, min_size=1, max_size=2))
+        group.replicated = _named(draw, free, [p for p in nameable if p not in group.ignored])
         free = [p for p in free if p not in group.replicated]
     for path in free:
         placement = draw(placements(params[path], shard, features))
         if placement:
             group.placements[path] = placement
     return group
+
+
+def _named(draw: Any, free: list[str], below: list[str]) -> list[str]:
+    """One or two of the call's own free params, and (one time in three, where there are) one
+    managed by a call below."""
+    named = draw(st.lists(st.sampled_from(free), unique=True, min_size=1, max_size=2))
+    if below and one_in(draw, 3):
+        named.append(draw(st.sampled_from(below)))
+    return named
 
 
 @st.composite
@@ -488,6 +534,12 @@ def placements(draw: Any, shape: tuple[int, ...], shard: int, features: frozense
     return draw(st.sampled_from(options)) if options else None
 
 
+def one_group(n_groups: int) -> st.SearchStrategy[int]:
+    """The call a ``recurse=False`` setter acts on: the root half the time (the calls below it are
+    where recurse=False differs from recurse=True), else any."""
+    return st.one_of(st.integers(0, n_groups - 1), st.just(n_groups - 1))
+
+
 @st.composite
 def steps(draw: Any, config: Config, features: frozenset[str]) -> Step:
     step = Step()
@@ -499,25 +551,31 @@ def steps(draw: Any, config: Config, features: frozenset[str]) -> Step:
         step.hold_with_last_backward = draw(st.sampled_from(styles)) == "last_backward"
     n_groups = len(config.groups)
     if not all(step.micro) and not step.hold_with_last_backward and "recurse_false" in features and one_in(draw, 3):
-        step.sync_group = draw(st.integers(0, n_groups - 1))  # only that call holds back
+        step.sync_group = draw(one_group(n_groups))  # only that call holds back
     divided = any(g.divide_factor is not None for g in config.groups)  # the factor decides the division
     if "reduce_op_type" in features and not divided and one_in(draw, 3):
         step.reduce_op = draw(st.sampled_from(("sum", "avg")))
         if "recurse_false" in features and draw(st.booleans()):
-            step.reduce_op_group = draw(st.integers(0, n_groups - 1))
-    if "all_reduce_control" in features and config.hsdp and one_in(draw, 3):
+            step.reduce_op_group = draw(one_group(n_groups))
+    # the all-reduce over replicas: drawn where there are replicas (over one it is no collective at all)
+    if "all_reduce_control" in features and config.hsdp and config.mesh[0] > 1 and one_in(draw, 2):
         step.all_reduce = draw(st.booleans())
         if "recurse_false" in features and draw(st.booleans()):
-            step.all_reduce_group = draw(st.integers(0, n_groups - 1))
+            step.all_reduce_group = draw(one_group(n_groups))
     if "reshard_controls" in features and one_in(draw, 3):
         which = draw(st.sampled_from(("reshard_after_forward", "reshard_after_backward")))
-        group = draw(st.integers(-1, n_groups - 1)) if "recurse_false" in features else -1
+        group = (draw(one_group(n_groups)) if draw(st.booleans()) else -1) if "recurse_false" in features else -1
         kept_rows = [i for i, g in enumerate(config.groups) if type(g.reshard_after_forward) is int]
-        if kept_rows and group >= 0 and which == "reshard_after_forward" and one_in(draw, 2):
-            group = draw(st.sampled_from(kept_rows))  # a bool replacing an int: the interplay to judge
+        if kept_rows and "recurse_false" in features and one_in(draw, 2):
+            # a bool replacing an int on its call: the interplay to judge (rare by chance)
+            which, group = "reshard_after_forward", draw(st.sampled_from(kept_rows))
         setattr(step, which, [group, draw(st.booleans())])
     if "unshard_reshard" in features and one_in(draw, 4):
         step.unshard = draw(st.integers(0, n_groups - 1))
+        hows = ["async", "sync", "then reshard"] + (["across step"] if "unshard_across_step" in features else [])
+        step.unshard_how = draw(st.sampled_from(hows))
+    if "reset_iter_state" in features and one_in(draw, 6):
+        step.reset_iter_state = True
     if "dcp" in features and one_in(draw, 4):
         step.state_dict_at = draw(st.sampled_from(("before", "between", "after")))
     if "zero_grad" in features and one_in(draw, 3):

@@ -1,0 +1,206 @@
+"""Pairwise coverage of L4's space, and the covering phase that reaches it before the random draws.
+
+Random draws reach rare pairs of options late: 20 configurations meet about two thirds of the pairs
+of features a configuration can use together. The covering phase draws a pool of configurations
+(``POOL``, from a fixed seed, so every machine gets the same ones; drawing runs nothing), keeps the
+pairs the pool shows can occur together, and picks from it greedily the fewest configurations that
+hold every such pair of features and every rare interplay (``interplays``: what no pair of features
+names, as a ``recurse=False`` setter on the root above other calls); ties go to the configuration
+adding the most pairs of option values.
+``explore`` runs them first, then its random draws. A pair is "possible" when the pool holds it:
+the grammar's own constraints (a policy's main grad only with an fp32 reduce, ...) rule the others out.
+
+Three measures, each as "covered / possible": pairs of features used together (the plan's features a
+configuration uses, ``Config.features``), pairs of option values (world size, mesh kind, precision,
+input, output, optimizer and each feature in use), and the interplays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import itertools
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+
+from tests.kit.explore import grammar, space
+from tests.kit.explore.space import Config, configs
+
+POOL = 400  # configurations drawn to choose the covering ones from (about 10 s of drawing)
+COVER_SEED = 0  # the pool's seed: the same covering configurations whatever the exploration's seed
+CACHE = Path(__file__).resolve().parents[3] / "runs" / "l4" / "cover"
+
+Pair = tuple[str, str]
+
+
+def feature_pairs(config: Config) -> set[Pair]:
+    """The pairs of plan features the configuration uses together."""
+    used = sorted(config.features() - {"fully_shard"})
+    return set(itertools.combinations(used, 2))
+
+
+def interplays(config: Config) -> set[str]:
+    """The rare interplays the configuration holds, that a pair of features does not name: a
+    ``recurse=False`` setter on the root above other calls (where it differs from ``recurse=True``),
+    an int ``reshard_after_forward`` replaced by a bool, a main grad cleared by ``HSDPModule.zero_grad``
+    before another step."""
+    found = set()
+    n = len(config.groups)
+    for step in config.steps:
+        for name, group in (
+            ("set_requires_gradient_sync", step.sync_group),
+            ("set_reduce_op_type", step.reduce_op_group),
+            ("set_requires_all_reduce(False)", step.all_reduce_group if step.all_reduce is False else None),
+            ("set_reshard_after_forward", step.reshard_after_forward[0] if step.reshard_after_forward else None),
+            ("set_reshard_after_backward", step.reshard_after_backward[0] if step.reshard_after_backward else None),
+        ):
+            if n > 1 and group == n - 1:
+                found.add(f"{name} on the root alone")
+        control = step.reshard_after_forward
+        if control and control[0] >= 0 and type(config.groups[control[0]].reshard_after_forward) is int:
+            found.add("an int reshard_after_forward replaced by a bool")
+    cleared = any(step.zero_grad != "optimizer" for step in config.steps[:-1])
+    if config.precision.main_grad and cleared:
+        found.add("a main grad cleared by HSDPModule.zero_grad before another step")
+    return found
+
+
+def option_values(config: Config) -> list[str]:
+    """The configuration's option values, ``option=value``: the coverage table's, without the counts
+    and the module kinds, the mesh as its kind."""
+    values = {k: v for k, v in config.coverage().items() if k not in ("modules", "groups", "steps", "mesh")}
+    values["mesh"] = "HSDP" if config.hsdp else "FSDP"
+    return sorted(f"{k}={v}" for k, v in values.items())
+
+
+def value_pairs(config: Config) -> set[Pair]:
+    """The pairs of option values the configuration holds."""
+    return set(itertools.combinations(option_values(config), 2))
+
+
+@dataclass
+class Covering:
+    """The covering configurations and the pairs the pool showed possible."""
+
+    configs: list[Config]
+    feature_pairs: set[Pair] = field(default_factory=set)  # possible
+    value_pairs: set[Pair] = field(default_factory=set)  # possible
+    interplays: set[str] = field(default_factory=set)  # possible
+    pool: int = POOL
+
+    def measure(self, run: Iterable[Config]) -> dict[str, tuple[int, int]]:
+        """(covered, possible) pairs of features and of option values among ``run``."""
+        features: set[Pair] = set()
+        values: set[Pair] = set()
+        rare: set[str] = set()
+        for config in run:
+            features |= feature_pairs(config)
+            values |= value_pairs(config)
+            rare |= interplays(config)
+        return {
+            "feature pairs": (len(features & self.feature_pairs), len(self.feature_pairs)),
+            "option-value pairs": (len(values & self.value_pairs), len(self.value_pairs)),
+            "interplays": (len(rare & self.interplays), len(self.interplays)),
+        }
+
+
+def pairs_text(measured: dict[str, tuple[int, int]]) -> str:
+    """``pairs covered: features 631/631, option values 1150/1656``."""
+    return "pairs covered / possible: " + ", ".join(f"{name} {a}/{b}" for name, (a, b) in measured.items())
+
+
+def covering(
+    features: frozenset[str], max_world: int, min_world: int = 1, avoid: tuple[frozenset[str], ...] = ()
+) -> Covering:
+    """The covering configurations of ``features`` (cached under ``runs/l4/cover/``, keyed by the
+    arguments and the grammar's source, so a changed space draws a new pool)."""
+    key = _key(features, max_world, min_world, avoid)
+    path = CACHE / f"{key}.json"
+    if path.exists():
+        return _load(path)
+    pool = _pool(features, max_world, min_world, avoid)
+    chosen = _greedy(pool)
+    found = Covering(
+        chosen,
+        set().union(*map(feature_pairs, pool)),
+        set().union(*map(value_pairs, pool)),
+        set().union(*map(interplays, pool)),
+    )
+    CACHE.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        json.dumps(
+            {
+                "configs": [json.loads(c.to_json()) for c in chosen],
+                "feature_pairs": sorted(found.feature_pairs),
+                "value_pairs": sorted(found.value_pairs),
+                "interplays": sorted(found.interplays),
+            }
+        )
+    )
+    return found
+
+
+def _key(features: frozenset[str], max_world: int, min_world: int, avoid: tuple[frozenset[str], ...]) -> str:
+    source = inspect.getsource(space) + inspect.getsource(grammar)
+    text = json.dumps([sorted(features), max_world, min_world, sorted(map(sorted, avoid)), POOL, COVER_SEED, source])
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def _load(path: Path) -> Covering:
+    data = json.loads(path.read_text())
+    return Covering(
+        [Config.from_json(c) for c in data["configs"]],
+        {tuple(p) for p in data["feature_pairs"]},
+        {tuple(p) for p in data["value_pairs"]},
+        set(data["interplays"]),
+    )
+
+
+def _pool(features: frozenset[str], max_world: int, min_world: int, avoid: tuple[frozenset[str], ...]) -> list[Config]:
+    """``POOL`` configurations drawn from ``COVER_SEED`` (none run)."""
+    pool: list[Config] = []
+
+    @settings(
+        max_examples=POOL,
+        database=None,
+        deadline=None,
+        phases=(Phase.generate,),
+        suppress_health_check=list(HealthCheck),
+    )
+    @hypothesis_seed(COVER_SEED)
+    @given(configs(features, max_world, min_world, avoid))
+    def draw(config: Config) -> None:
+        pool.append(config)
+
+    draw()
+    return pool
+
+
+def _greedy(pool: list[Config]) -> list[Config]:
+    """The fewest configurations found greedily that hold every pair of features and every interplay
+    the pool holds: each pick adds the most missing of them (then the most missing option-value pairs,
+    then the smallest configuration)."""
+    features = [feature_pairs(c) | {("interplay", name) for name in interplays(c)} for c in pool]
+    values = [value_pairs(c) for c in pool]
+    wanted = set().union(*features)
+    have_features: set[Pair] = set()
+    have_values: set[Pair] = set()
+    chosen: list[Config] = []
+    while have_features != wanted:
+        best = max(
+            range(len(pool)),
+            key=lambda i: (
+                len(features[i] - have_features),
+                len(values[i] - have_values),
+                -sum(pool[i].size().values()),
+            ),
+        )
+        chosen.append(pool[best])
+        have_features |= features[best]
+        have_values |= values[best]
+    return chosen
