@@ -330,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
         "--l4-examples", type=int, default=20, help="L4 configurations per implementation (0: no L4; default 20)"
     )
     parser.add_argument("--l4-replay", default="", help="L4: replay this saved configuration instead of exploring")
+    parser.add_argument(
+        "--l4-no-cover", action="store_true", help="L4: no covering phase, the random draws only (a quick check)"
+    )
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"), help="list cases that changed from sweep A to B")
     parser.add_argument("--rtol", type=float, default=0.0, help="--compare: ignore error changes within this")
     args = parser.parse_args(argv)
@@ -424,7 +427,17 @@ def _sweep(
                         bar.update(1)
                     if l4:
                         bar.set_description(f"{name + ' ' if named else ''}L4")
-                        row = run_l4(out_dir, cluster, spec, name, args.l4_examples, args.l4_replay, runner, run_dir)
+                        row = run_l4(
+                            out_dir,
+                            cluster,
+                            spec,
+                            name,
+                            args.l4_examples,
+                            args.l4_replay,
+                            runner,
+                            run_dir,
+                            cover=not args.l4_no_cover,
+                        )
                         l4_rows.append(row)
                         bar.write(l4_line(row))
                         bar.update(1)

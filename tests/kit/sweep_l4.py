@@ -26,8 +26,10 @@ def run_l4(
     replay: str,
     runner: Any,
     run_dir: Path,
+    cover: bool = True,
 ) -> dict[str, Any]:
-    """Execute the L4 notebook on ``cluster``; its summary row for the index."""
+    """Execute the L4 notebook on ``cluster`` (its covering phase first where ``cover``); its summary
+    row for the index."""
     from tests.kit.sweep import execute
 
     folder = out_dir / "L4"
@@ -39,6 +41,7 @@ def run_l4(
         "max_world_size": cluster.n_engines,
         "implementation": implementation,
         "replay": replay,
+        "cover": cover,
         "cluster_id": cluster.cluster.cluster_id,
         "results_path": str(results),
     }

@@ -74,14 +74,15 @@ def test_a_fix_that_touches_nothing_under_its_paths_is_refused_by_name(history, 
 
 def test_found_means_failing_with_the_defect_and_passing_without_it():
     fail, ok = {"status": "FAIL", "first_failure": "grad x"}, {"status": "PASS", "first_failure": ""}
-    with_defect = TreeRun(
-        "broken", {"L1-01": fail, "L1-02": fail, "L1-03": {"status": "UNSUPPORTED", "first_failure": ""}}
-    )
-    without = TreeRun("fixed", {"L1-01": ok, "L1-02": fail, "L1-03": ok})
+    refused = {"status": "UNSUPPORTED", "first_failure": "unsupported: unknown keyword 'x'"}
+    with_defect = TreeRun("broken", {"L1-01": fail, "L1-02": fail, "L1-03": refused, "L1-04": refused})
+    without = TreeRun("fixed", {"L1-01": ok, "L1-02": fail, "L1-03": ok, "L1-04": refused})
     with_defect.l4 = [{"signature": "a"}, {"signature": "b"}]
     without.l4 = [{"signature": "a"}]
     finding = compare({"id": "T"}, with_defect, without)
-    assert [c["id"] for c in finding.cases] == ["L1-01"]  # L1-02 fails on both, L1-03 is a refusal
+    # L1-02 fails on both; L1-03 is refused only with the defect (a feature it took away); L1-04 on both
+    assert [c["id"] for c in finding.cases] == ["L1-01", "L1-03"]
+    assert finding.cases[1]["first_failure"].startswith("refused with the defect")
     assert [r["signature"] for r in finding.l4] == ["b"] and finding.found
     assert not compare({"id": "T"}, without, without).found
 

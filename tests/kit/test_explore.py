@@ -169,13 +169,22 @@ def test_regressions_and_replays_pass(request, cluster):
 
 def test_the_explorer_finds_nothing_within_its_budget(cluster, tmp_path):
     """Another seed than the notebook's, on a budget of ``HPKIT_L4_EXAMPLES`` configurations
-    (default 8: a smoke run beside the notebook's; the mutation harness gives it more)."""
+    (default 8: a smoke run of random draws beside the notebook's, which has the covering phase;
+    given a budget, as the mutation harness gives it, the covering phase first too)."""
     from tests.kit.explore.runner import features_of, known_defects_of
 
-    examples = int(os.environ.get("HPKIT_L4_EXAMPLES", "8"))
+    budget = os.environ.get("HPKIT_L4_EXAMPLES")
+    examples = int(budget or "8")
     avoid = tuple(known_defects_of(cluster))
     found = explore(
-        cluster, features_of(cluster), examples=examples, seed=1, max_world=4, save_dir=tmp_path, avoid=avoid
+        cluster,
+        features_of(cluster),
+        examples=examples,
+        seed=1,
+        max_world=4,
+        save_dir=tmp_path,
+        avoid=avoid,
+        cover=budget is not None,
     )
     assert found.passed, found.summary() + "\n" + found.minimal.config.to_json()
 
