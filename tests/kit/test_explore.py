@@ -98,7 +98,7 @@ class _PassingCluster(_FakeCluster):
 def test_keep_going_lists_each_distinct_failure_shrunk_once(tmp_path):
     from tests.kit.explore.runner import explore_all
 
-    survey = explore_all(_TwoDefectsCluster(), ALL, examples=120, seed=1, max_world=4, save_dir=tmp_path)
+    survey = explore_all(_TwoDefectsCluster(), ALL, examples=120, seed=1, max_world=4, save_dir=tmp_path, cover=False)
     assert survey.exploration.drawn == 120  # every configuration drawn and run, past the failures
     signatures = sorted(d.signature for d in survey.defects)
     assert signatures == ["step #: grads of <path>", "world of three ranks"], signatures
@@ -110,7 +110,9 @@ def test_keep_going_lists_each_distinct_failure_shrunk_once(tmp_path):
 
 
 def test_a_failure_is_shrunk_to_a_minimal_configuration_and_saved(tmp_path):
+    # the covering phase meets the failure first; the draws of the seed failing the same way shrink it
     found = explore(_FakeCluster(), ALL, examples=200, seed=1, max_world=4, save_dir=tmp_path)
+    assert found.covering >= 1 and found.failures_seen == 1
     assert not found.passed and found.saved is not None and found.saved.exists()
     size = found.minimal.config.size()
     assert size["steps"] == 2 and size["groups"] == 2 and size["world"] == 1, size
