@@ -264,6 +264,7 @@ class Example:
         self.reached: set[int] = set()  # the calls whose modules backward reached in this micro-batch
         self._recording_forward = False
         self.forward_prefetch: dict[Unit, list[Unit]] = {}  # unit -> the units its forward prefetches
+        self.backward_prefetch: dict[Unit, list[Unit]] = {}  # unit -> the units its backward prefetches
         self.started: list[Unit] = []  # the units whose forward has started, in this forward
         self._forward_rec: CollectiveRecorder | None = None
         self._where = ""
@@ -401,8 +402,8 @@ class Example:
             for place, unit in enumerate(order[:-1]):
                 following = order[place + 1 : place + 1 + self.config.prefetch_depth]
                 getattr(modules[unit], setter)([modules[f] for f in following])
-                if setter == "set_modules_to_forward_prefetch":
-                    self.forward_prefetch[unit] = following
+                lists = self.forward_prefetch if setter == "set_modules_to_forward_prefetch" else self.backward_prefetch
+                lists[unit] = following
 
     def _unit_orders(self) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
         """The units in the order their forwards start (pre-order of the module tree, which this
@@ -657,10 +658,12 @@ class Example:
         taken = None
         if step.state_dict_at == "between" and last:  # loaded back after backward: torch's in-place rule
             taken = self._state_dict_check(f"{where} between forward and backward")
+        ordered = self._ordered_pairs()
         with record_collectives() as backward:
             loss = loss_of(out, self.loss_scale)
             loss.backward()
         self._check_gathers(f"{where} backward", backward, self.gathers.backward(self.reached, self.recompute))
+        self._check_backward_order(where, backward, ordered)
         self.gathers.after_backward(self.reached, self.reshard_after_backward)
         rec = CollectiveRecorder()
         rec.calls = forward.calls + backward.calls
@@ -694,6 +697,39 @@ class Example:
                 self._note_forward(len(self.config.groups) - 1, "", out)
             self._recording_forward, self._forward_rec = False, None
         return out, forward
+
+    def _ordered_pairs(self) -> list[tuple[Unit, Unit]]:
+        """The pairs (first, second) of one backward prefetch list whose all-gathers the coming
+        backward must issue in that order, where the recorder tells them apart: both sharded now
+        (one whole gather each, fused), sizes no other module shares, no recompute in between."""
+        if self.recompute or self.config.prefetch_depth < 2:
+            return []
+        sizes = self.gathers.sizes
+        pairs = []
+        listed = [
+            pair for targets in self.backward_prefetch.values() for pair in zip(targets, targets[1:], strict=False)
+        ]
+        for first, second in listed:
+            whole = all(
+                self.gathers.gather(u) == (sizes[u], sizes[u]) and sizes[u] > 0 and self.gathers.calls[u] == 1
+                for u in (first, second)
+            )
+            unique = all(sum(size == sizes[u] for size in sizes.values()) == 1 for u in (first, second))
+            if whole and unique:
+                pairs.append((first, second))
+        return pairs
+
+    def _check_backward_order(self, where: str, rec: CollectiveRecorder, pairs: list[tuple[Unit, Unit]]) -> None:
+        """Backward prefetch lists issue their all-gathers in the lists' order (a module gathered on
+        demand comes after those prefetched ahead of it, so the order holds without a prefetch too)."""
+        gathered = [c.numel for c in rec.calls if c.op == "all_gather" and c.group_size > 1]
+        sizes = self.gathers.sizes
+        for first, second in pairs:
+            if sizes[first] in gathered and sizes[second] in gathered:
+                label = (
+                    f"{where} backward: call {first[0]}'s module all-gathered before call {second[0]}'s (list order)"
+                )
+                self.ctx.true(label, gathered.index(sizes[first]) < gathered.index(sizes[second]))
 
     # -- all-gathers: each sharded module's params fetched once when needed, never more -------------
     def _units(self) -> list[Unit]:
