@@ -113,6 +113,11 @@ class GatherLedger:
         self.rows.pop(unit, None)
         self.unknown[unit] = max(most, self.unknown.get(unit, 0))
 
+    def forget(self, units: Iterable[Unit]) -> None:
+        """These units may be in any state (gathered again or not): at most one gather each."""
+        for unit in units:
+            self._forget(unit)
+
     def maybe_resharded(self) -> None:
         """A state dict was taken: an implementation may reshard for it."""
         for unit in list(self.unsharded) + list(self.rows):

@@ -572,9 +572,8 @@ class Example:
             if across:  # issued before the step, waited after it: the next forward must use the stepped params
                 if handle is not None:
                     handle.wait()
-                # unsharded, but stale: gathered again (at the wait or at the next unshard): either way
-                self._mark_unsharded(following.unshard)
-                self.gathers.maybe_resharded()
+                # unsharded but stale: gathered again at the wait or at the next unshard, either way
+                self.gathers.forget([self._first_unit(following.unshard)])
 
     def _unshard(self, index: int, how: str) -> None:
         """Call ``index``'s first module unsharded before the step's first forward, as ``how`` says."""
@@ -587,12 +586,11 @@ class Example:
                 handle.wait()
         if how == "then reshard":
             module.reshard()
-            self.gathers.mark([(index, self.config.groups[index].paths[0])], False)
-        else:
-            self._mark_unsharded(index)
+        self.gathers.mark([self._first_unit(index)], how != "then reshard")
 
-    def _mark_unsharded(self, index: int) -> None:
-        self.gathers.mark([(index, self.config.groups[index].paths[0])], True)
+    def _first_unit(self, index: int) -> Unit:
+        """Call ``index``'s first module, the one ``unshard`` is called on."""
+        return index, self.config.groups[index].paths[0]
 
     def _optimizer(self, params: Any) -> torch.optim.Optimizer:
         if self.config.optimizer == "adamw":
