@@ -50,6 +50,10 @@ class GatherLedger:
         """(least, most) elements bringing ``unit`` back now."""
         return self._gather(unit)
 
+    def is_sharded(self, unit: Unit) -> bool:
+        """Whether ``unit`` is known to be sharded now (not unsharded, not in rows, not unknown)."""
+        return unit not in self.unsharded and unit not in self.rows and unit not in self.unknown
+
     def forward(self) -> Bounds:
         """(least, most) elements the coming forward all-gathers: every unit not unsharded, once."""
         least = most = 0

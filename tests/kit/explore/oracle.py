@@ -16,7 +16,8 @@ float64 after sharding: the reference is the materialised model, in float64 wher
 Beside the numbers (loss per micro-batch, grads, the global grad norm and params after each step,
 within the registry's row for the configuration's precision), the invariants every configuration
 keeps: local shard shapes follow the ``torch.chunk`` rule and placements are as placed; after
-forward and backward the unsharded storage is freed or kept as the reshard settings say; each
+forward and backward the params hold their shards or the whole as the reshard settings say, and
+the storage a module's params used while unsharded is freed once it is sharded again; each
 forward and backward all-gathers every sharded module it needs once and no more (the bytes on the
 wire at their minimum; a recompute may fetch a module once more); the reductions carry exactly the
 trainable managed params (none of the frozen or ignored ones); the
@@ -43,6 +44,7 @@ from tests.kit.devices import compute_device
 from tests.kit.explore.gathers import GatherLedger, Unit
 from tests.kit.explore.grammar import HALF_PRECISION_LOSS_SCALE, Out, Tied, batch, build, first_tensor, loss_of
 from tests.kit.explore.space import PRECISIONS, Config, Group, checkpointed
+from tests.kit.explore.storages import UnshardedStorages
 from tests.kit.layout import local_numel, shard_shape
 from tests.kit.recorder import CollectiveRecorder, record_collectives
 from tests.kit.reference import full
@@ -273,6 +275,7 @@ class Example:
         self.reshard_after_backward = [True] * len(config.groups)
         skipped = {unit for unit in self._units() if config.groups[unit[0]].skips_backward_gather}
         self.gathers = GatherLedger(*self._gather_sizes(), skip_backward=skipped)  # what forward/backward fetch
+        self.storages = UnshardedStorages()  # what each unit used while unsharded, watched weakly
 
     # -- set-up --------------------------------------------------------------------------------
     def shard(self) -> None:
@@ -286,6 +289,8 @@ class Example:
                 module.register_forward_hook(self._seen_after_forward(index, path))
                 # first of its pre-forward hooks: before the implementation's own unshard
                 module.register_forward_pre_hook(self._seen_start(index, path), prepend=True)
+                # last of them: after the implementation's unshard, the module's params unsharded
+                module.register_forward_pre_hook(self._seen_unsharded(index, path))
             for module in self.hsdp_modules[-1]:
                 self._set_controls(module, group)
         if self.config.prefetch:
@@ -449,6 +454,29 @@ class Example:
             self.ctx.true(label, least <= gathered <= most, str(gathered), f"{least}..{most}")
         self.started.append(unit)
 
+    def _seen_unsharded(self, index: int, module_path: str) -> Callable[..., None]:
+        """A pre-forward hook of one module of call ``index``, run after the implementation's: the
+        storages of its sharded params, unsharded now, watched until they are freed."""
+
+        def unsharded(module: nn.Module, args: tuple) -> None:
+            params = dict(self.model.named_parameters())
+            own = self._own_numels(index, module_path)
+            sharded = [impl.local(params[path]) for path in own if self.plans[path].kind == "sharded"]
+            self.storages.note((index, module_path), sharded)
+
+        return unsharded
+
+    def _check_storage_freed(self, where: str) -> None:
+        """Each module the ledger says is sharded again holds none of the storage its params used
+        while unsharded: resharding frees it (FSDP2 resizes it to nothing)."""
+        params = dict(self.model.named_parameters())
+        for unit in self._units():
+            if not self.gathers.is_sharded(unit) or unit not in self.storages.watched:
+                continue
+            shards = [impl.local(params[path]) for path in self._own_numels(*unit)]
+            label = f"{where}, call {unit[0]} sharded: bytes still held of its unsharded params' storage"
+            self.ctx.equal(label, self.storages.held(unit, shards), 0)
+
     def _seen_after_forward(self, index: int, module_path: str) -> Callable[..., None]:
         """A forward hook of one module of call ``index``: its own params' numels once its forward
         is done (a list call's modules each finish their forward at their own time)."""
@@ -560,6 +588,7 @@ class Example:
                     for module in modules:
                         module.reshard()
                 self.gathers.all_resharded()
+                self._check_storage_freed(f"step {index} after reshard()")
             self._check_grads(f"step {index}")
             following = steps[index + 1] if index + 1 < len(steps) else None
             across = following is not None and following.unshard is not None and following.unshard_how == "across step"
@@ -663,6 +692,7 @@ class Example:
         self._check_gathers(f"{where} backward", backward, self.gathers.backward(self.reached, self.recompute))
         self._check_backward_order(where, backward, ordered)
         self.gathers.after_backward(self.reached, self.reshard_after_backward)
+        self._check_storage_freed(f"{where} after backward")
         rec = CollectiveRecorder()
         rec.calls = forward.calls + backward.calls
         ref_out = self.reference.forward(args, kwargs, step.method)
