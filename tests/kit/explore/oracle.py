@@ -268,6 +268,10 @@ class Example:
         self.forward_prefetch: dict[Unit, list[Unit]] = {}  # unit -> the units its forward prefetches
         self.backward_prefetch: dict[Unit, list[Unit]] = {}  # unit -> the units its backward prefetches
         self.started: list[Unit] = []  # the units whose forward has started, in this forward
+        self.finished: list[Unit] = []  # the units in the order their forwards finished, in this forward
+        # per unit whose backward started, in order: the elements all-gathered in backward by then
+        self.backward_starts: list[tuple[Unit, int]] = []
+        self._backward_rec: CollectiveRecorder | None = None
         self._forward_rec: CollectiveRecorder | None = None
         self._where = ""
         # the effective reshard settings per call: None = True except for the root
@@ -291,6 +295,10 @@ class Example:
                 module.register_forward_pre_hook(self._seen_start(index, path), prepend=True)
                 # last of them: after the implementation's unshard, the module's params unsharded
                 module.register_forward_pre_hook(self._seen_unsharded(index, path))
+                if self._times_backward():
+                    # torch wraps the output after every forward hook: this runs before the
+                    # implementation's pre-backward hooks on the output it returned
+                    module.register_full_backward_pre_hook(self._seen_backward_start(index, path))
             for module in self.hsdp_modules[-1]:
                 self._set_controls(module, group)
         if self.config.prefetch:
@@ -477,6 +485,59 @@ class Example:
             label = f"{where}, call {unit[0]} sharded: bytes still held of its unsharded params' storage"
             self.ctx.equal(label, self.storages.held(unit, shards), 0)
 
+    def _times_backward(self) -> bool:
+        """Whether backward prefetch timing is judged: each module's backward starts once, in the
+        reverse of the order forwards finish (no recompute, no list call, one param group per call,
+        every call gathered in backward, no registered method skipping the root's hooks)."""
+        groups = self.config.groups
+        return not (
+            self.recompute
+            or any(len(g.paths) > 1 or g.placements or g.skips_backward_gather for g in groups)
+            or any(step.method != "forward" for step in self.config.steps)
+        )
+
+    def _seen_backward_start(self, index: int, module_path: str) -> Callable[..., None]:
+        """A backward pre-hook of one module of call ``index``: the elements all-gathered in this
+        backward when its backward starts, before the implementation's own pre-backward."""
+
+        def start(module: nn.Module, grad_output: Any) -> None:
+            rec = self._backward_rec
+            if rec is not None:
+                gathered = sum(c.numel for c in rec.calls if c.op == "all_gather" and c.group_size > 1)
+                self.backward_starts.append(((index, module_path), gathered))
+
+        return start
+
+    def _backward_targets(self, unit: Unit) -> list[Unit]:
+        """The modules ``unit``'s backward prefetches: its backward list where lists are set, else
+        the module managing params whose forward finished just before its own (FSDP2's implicit
+        prefetch: a call managing no params has no param group, so takes no part)."""
+        if self.config.prefetch:
+            return self.backward_prefetch.get(unit, [])
+        order = [u for u in self.finished if any(self.plans[p].kind != "ignored" for p in self._own_numels(*u))]
+        place = order.index(unit) if unit in order else 0
+        return order[place - 1 : place] if place > 0 else []
+
+    def _check_backward_starts(self, where: str) -> None:
+        """Backward prefetch timing: when a module's backward starts (before its own hooks), this
+        backward has all-gathered the modules whose backward started before it and those they
+        prefetch (so a prefetched module's gather is issued before it starts), nothing beyond them;
+        a prefetched module backward never reaches may or may not have been gathered."""
+        units = [unit for unit, _ in self.backward_starts]
+        reached = sorted(u for u in self._units() if u[0] in self.reached)
+        if sorted(set(units)) != reached or len(set(units)) < len(units):
+            return  # a module whose start torch could not see (no tensor output): its prefetch unknown
+        for place, (unit, gathered) in enumerate(self.backward_starts):
+            before = units[:place]
+            due = set(before) | {t for u in before for t in self._backward_targets(u)}
+            least = sum(self.gathers.gather(u)[0] for u in due if u[0] in self.reached)
+            most = sum(self.gathers.gather(u)[1] for u in due)
+            label = (
+                f"{where} backward, as call {unit[0]}'s module starts: elements all-gathered so far "
+                "(the modules whose backward started before it and those they prefetch)"
+            )
+            self.ctx.true(label, least <= gathered <= most, str(gathered), f"{least}..{most}")
+
     def _seen_after_forward(self, index: int, module_path: str) -> Callable[..., None]:
         """A forward hook of one module of call ``index``: its own params' numels once its forward
         is done (a list call's modules each finish their forward at their own time)."""
@@ -491,6 +552,7 @@ class Example:
         notes when backward reaches it."""
         if self._recording_forward and (index, module_path) not in self.after_forward:
             self.after_forward[(index, module_path)] = self._own_numels(index, module_path)
+            self.finished.append((index, module_path))
             out = first_tensor(output)
             if out.requires_grad:  # backward reaches the module only through its output's grad
                 out.register_hook(lambda grad: self.reached.add(index))
@@ -686,11 +748,16 @@ class Example:
         if step.state_dict_at == "between" and last:  # loaded back after backward: torch's in-place rule
             taken = self._state_dict_check(f"{where} between forward and backward")
         ordered = self._ordered_pairs()
+        self.backward_starts = []
         with record_collectives() as backward:
+            self._backward_rec = backward
             loss = loss_of(out, self.loss_scale)
             loss.backward()
+            self._backward_rec = None
         self._check_gathers(f"{where} backward", backward, self.gathers.backward(self.reached, self.recompute))
         self._check_backward_order(where, backward, ordered)
+        if self._times_backward():
+            self._check_backward_starts(where)
         self.gathers.after_backward(self.reached, self.reshard_after_backward)
         self._check_storage_freed(f"{where} after backward")
         rec = CollectiveRecorder()
@@ -715,7 +782,7 @@ class Example:
         prefetch timing checked as each sharded module starts."""
         with record_collectives() as forward:
             self._recording_forward, self._forward_rec, self._where = True, forward, where
-            self.started = []
+            self.started, self.finished = [], []
             if step.method != "forward":  # the registered method gathers the root first, no hook of it runs
                 self._check_started((len(self.config.groups) - 1, ""))
             if step.method == "forward":

@@ -283,7 +283,8 @@ class HSDPState:
                 else:
                     self.param_group.reshard()
             self.training_state = TrainingState.IDLE
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and self.param_group is not None:
+                # only groups with params take part, as in FSDP2: a call managing none is no target
                 ITERATION.forward_order[self] = ITERATION.forward_order.get(self, 0) + 1
         output = _cast_floating(output, self.mp_policy.output_dtype)
         if torch.is_grad_enabled():
