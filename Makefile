@@ -24,7 +24,7 @@ notebooks: setup
 # Every plan case against each implementation (ours, torch FSDP2, and upstream HyperParallel when
 # UPSTREAM=/path/to/hyper-parallel is given): runs/<timestamp>/conformance.html
 conformance: setup
-	IPP_NONINTERACTIVE=1 $(PYTHON) -m tests.kit.conformance --implementation ours= --implementation fsdp2=torch \
+	IPP_NONINTERACTIVE=1 $(PYTHON) -m tests.kit.front.conformance --implementation ours= --implementation fsdp2=torch \
 		$(if $(UPSTREAM),--implementation upstream=upstream:$(UPSTREAM))
 
 # Mutation harness (never in `make test` or .ci/run): ONLY=03,07  SUITE=cases|engine|both  CASES=L1-03,L0-06

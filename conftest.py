@@ -3,11 +3,11 @@
 implementation under test, and what lets one execution of a case serve nbval and pytest alike:
 
 - the level notebooks join one cluster of the session (``HPKIT_JOIN_CLUSTER``, read by
-  ``tests.kit.notebook.connect``) instead of starting four of their own; its engines compute with
+  ``tests.kit.front.notebook.connect``) instead of starting four of their own; its engines compute with
   other CPU arithmetic than the recording's (``OTHER_ARITHMETIC``), so nbval proves the recorded
   text holds where the last digits differ;
 - their verdicts go to the session's verdict store (``HPKIT_VERDICT_STORE``), where the pytest
-  case of the same id finds and judges them (``tests.kit.verdict_store``), so ``pytest notebooks
+  case of the same id finds and judges them (``tests.kit.judging.verdict_store``), so ``pytest notebooks
   tests`` runs every plan case once.
 """
 
@@ -20,11 +20,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.kit.cluster import RankCluster
-from tests.kit.levels import LEVELS
-from tests.kit.notebook import JOIN_ENV
-from tests.kit.surface import IMPLEMENTATION_ENV, parse_spec
-from tests.kit.verdict_store import STORE_ENV
+from tests.kit.front.notebook import JOIN_ENV
+from tests.kit.judging.levels import LEVELS
+from tests.kit.judging.surface import IMPLEMENTATION_ENV, parse_spec
+from tests.kit.judging.verdict_store import STORE_ENV
+from tests.kit.runtime.cluster import RankCluster
 
 _SESSION: dict[str, RankCluster] = {}
 # The notebooks' cluster computes with other CPU arithmetic than the recording's (ATen's scalar
@@ -35,7 +35,7 @@ OTHER_ARITHMETIC = {"ATEN_CPU_CAPABILITY": "default"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """--implementation SPEC (see tests.kit.surface), --isolate (fresh engines per case), --replay (L4)."""
+    """--implementation SPEC (see tests.kit.judging.surface), --isolate (fresh engines per case), --replay (L4)."""
     group = parser.getgroup("hyper-parallel-kit")
     group.addoption(
         "--implementation",
@@ -49,7 +49,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="append",
         default=[],
         metavar="ID_OR_PATH",
-        help="an L4 configuration to replay (tests/kit/test_explore.py): its id under runs/l4/ or a .json path",
+        help="an L4 configuration to replay (tests/kit_tests/test_explore.py): its id under runs/l4/ or a .json path",
     )
 
 

@@ -3,7 +3,7 @@
 Run ``python benchmarks/bench_fsdp2.py [--models decoder,vit] [--steps 10] [--json out.json]``; it
 re-executes itself under ``torchrun --nproc-per-node 2`` (``BENCH_NPROC`` overrides the count).
 
-Per model (``tests.kit.networks``: ``llm_decoder`` on token batches of seq 128, ``vit`` on 224 x 224
+Per model (``tests.kit.workloads.networks``: ``llm_decoder`` on token batches of seq 128, ``vit`` on 224 x 224
 images), each implementation of the kit's surface (ours: ``load(parse_spec(""))``, FSDP2:
 ``load(parse_spec("torch"))``) shards a fresh copy of the seeded model bottom-up (each block, then the
 root; default ``reshard_after_forward``: the root keeps its params after forward) on one 1-D mesh and
@@ -12,9 +12,9 @@ so machine noise hits both alike. Printed, with the ratio ours / FSDP2:
 
 - step time: the median over the measured steps of wall time and of process CPU time (steadier on a
   shared machine), per rank; the max over ranks;
-- peak memory of one more step, by the kit's probe (``tests.kit.memory.peak_memory``): live tensors
+- peak memory of one more step, by the kit's probe (``tests.kit.judging.memory.peak_memory``): live tensors
   (sharded params, grads and AdamW state included), and the bytes held for backward; the max over ranks;
-- bytes on the wire per step and rank, by the kit's recorder (``tests.kit.recorder``) on one more
+- bytes on the wire per step and rank, by the kit's recorder (``tests.kit.judging.recorder``) on one more
   step, against the theoretical minimum for fp32 FSDP with a root kept after forward:
   ``(W-1)/W x (3 P - P_root)`` (all-gather in forward P, in backward P - P_root, reduce-scatter P).
 
@@ -50,13 +50,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from tests.kit import devices  # noqa: E402
-from tests.kit.memory import peak_memory  # noqa: E402
-from tests.kit.networks import LLM_SEQ, cross_entropy_loss, llm_decoder, token_batch  # noqa: E402
-from tests.kit.recorder import record_collectives  # noqa: E402
-from tests.kit.surface import Implementation, load, parse_spec  # noqa: E402
-from tests.kit.tolerances import tolerance  # noqa: E402
-from tests.kit.vision import image_batch, vit  # noqa: E402
+from tests.kit.judging.memory import peak_memory  # noqa: E402
+from tests.kit.judging.recorder import record_collectives  # noqa: E402
+from tests.kit.judging.surface import Implementation, load, parse_spec  # noqa: E402
+from tests.kit.judging.tolerances import tolerance  # noqa: E402
+from tests.kit.runtime import devices  # noqa: E402
+from tests.kit.workloads.networks import LLM_SEQ, cross_entropy_loss, llm_decoder, token_batch  # noqa: E402
+from tests.kit.workloads.vision import image_batch, vit  # noqa: E402
 
 ENGINES = {"ours": "", "fsdp2": "torch"}  # name -> implementation spec of the kit's surface
 Batch = tuple[torch.Tensor, torch.Tensor]

@@ -1,13 +1,13 @@
 """Regenerate the case catalogue in docs/cases.md from the case registry, and docs/plan_fidelity.md
-from the plan's assertions (``tests/kit/plan.py``).
+from the plan's assertions (``tests/kit/plan/``).
 
     python docs/catalogue.py           # rewrite the generated part of docs/cases.md, and plan_fidelity.md
     python docs/catalogue.py --check   # exit 1 if either is not what this would write
 
 Only the text between the two marker comments is generated: the precision matrix and the
-case-specific tolerances (``tests/kit/tolerances.py``), the features a case may need
-(``tests/kit/surface.py``), and one table per level with every case registered by the plan
-files (``tests.kit.case.load_plan_cases``): id, plan name, ranks, mesh, precision-matrix row,
+case-specific tolerances (``tests/kit/judging/tolerances.py``), the features a case may need
+(``tests/kit/judging/surface.py``), and one table per level with every case registered by the plan
+files (``tests.kit.judging.case.load_plan_cases``): id, plan name, ranks, mesh, precision-matrix row,
 needs, timeout, plan file, and the first sentence of the case's docstring (with the next ones
 while it is shorter than 60 characters). Everything outside the markers is written by hand.
 ``tests/test_docs.py`` fails when the file is stale.
@@ -25,7 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 CASES_MD = ROOT / "docs" / "cases.md"
 PLAN_DIR = ROOT / "tests" / "torch" / "fully_shard"
-TOLERANCES = ROOT / "tests" / "kit" / "tolerances.py"
+TOLERANCES = ROOT / "tests" / "kit" / "judging" / "tolerances.py"
 BEGIN = "<!-- BEGIN GENERATED: python docs/catalogue.py writes everything down to END GENERATED -->"
 END = "<!-- END GENERATED -->"
 
@@ -34,7 +34,7 @@ def _kit() -> tuple[Any, Any, Any, Any]:
     """The registry and its tables (imported here: the repository root must be on sys.path first)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from tests.kit import case, levels, surface, tolerances
+    from tests.kit.judging import case, levels, surface, tolerances
 
     return case, levels, surface, tolerances
 
@@ -114,7 +114,7 @@ def generated() -> str:
     out += [
         "## Precision matrix",
         "",
-        "From `tests/kit/tolerances.py` (`PRECISION_MATRIX`). Absolute tolerances: a check passes when",
+        "From `tests/kit/judging/tolerances.py` (`PRECISION_MATRIX`). Absolute tolerances: a check passes when",
         "`|measured - reference| <= tol`. Each case names one row (its `config`); the loss checks use the",
         "row's loss tolerance, grad norms and element-wise grads and params its grad tolerance.",
         "",
@@ -141,7 +141,7 @@ def generated() -> str:
         "",
         "## Features a case may need",
         "",
-        "From `tests/kit/surface.py` (`FEATURES`). Every case needs `fully_shard`; the `needs` column",
+        "From `tests/kit/judging/surface.py` (`FEATURES`). Every case needs `fully_shard`; the `needs` column",
         "below lists the rest. An implementation whose adapter does not declare a feature gets",
         "UNSUPPORTED, naming it, for every case that needs it.",
         "",
@@ -178,7 +178,7 @@ FIDELITY_MD = ROOT / "docs" / "plan_fidelity.md"
 
 
 def fidelity() -> str:
-    """docs/plan_fidelity.md, whole: every plan assertion of L1-L3 (``tests/kit/plan.py``), the checks
+    """docs/plan_fidelity.md, whole: every plan assertion of L1-L3 (``tests/kit/plan/``), the checks
     that judge it, the baseline, the tolerance row, and where the kit reads the plan differently."""
     case_mod, _, _, tolerances = _kit()
     from tests.kit import plan
@@ -187,13 +187,13 @@ def fidelity() -> str:
     out = [
         "# Plan fidelity",
         "",
-        "<!-- written by python docs/catalogue.py from tests/kit/plan.py; tests/test_docs.py fails when stale -->",
+        "<!-- written by python docs/catalogue.py from tests/kit/plan/; tests/test_docs.py fails when stale -->",
         "",
         "Every assertion of the plan's L1-L3 rows (the plan, v1.1: the core assertions of each case and the",
         "L3 assertion specs), the checks that judge it, what they compare with, the tolerance, and where",
         "the kit reads the plan differently, with the reason. The checks column is a regular expression",
         "searched in the names of the checks a case records (`tests.kit.plan.Assertion`);",
-        "`tests/kit/test_plan_fidelity.py` runs every case and fails when an assertion is judged by no",
+        "`tests/kit_tests/test_plan_fidelity.py` runs every case and fails when an assertion is judged by no",
         "check. A case's other layouts (`-FSDP`, `-HSDP`) are judged by the same rows. Each case page of",
         "the sweep, and each level notebook, opens with this table filled with the measured errors.",
         "",

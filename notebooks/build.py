@@ -18,8 +18,8 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from tests.kit.evidence import KernelMissing, resolve_kernel  # noqa: E402  (the repo root is on sys.path only now)
-from tests.kit.levels import LEVELS  # noqa: E402
+from tests.kit.front.evidence import KernelMissing, resolve_kernel  # noqa: E402  (the repo root is on sys.path only now)
+from tests.kit.judging.levels import LEVELS  # noqa: E402
 
 KERNEL = {"name": "hyper-parallel-kit", "display_name": "hyper-parallel-kit (Python 3)", "language": "python"}
 
@@ -93,7 +93,7 @@ def build(level: str) -> nbformat.NotebookNode:
         new_markdown_cell(
             f"# {title}\n\n{scope}.\n\n"
             "Each case runs on a warm ipyparallel cluster of torch ranks and is judged against "
-            "single-device or DDP baselines with the tolerances of `tests/kit/tolerances.py` "
+            "single-device or DDP baselines with the tolerances of `tests/kit/judging/tolerances.py` "
             "(the plan's precision matrix). Headless, one case:\n\n"
             f"    papermill notebooks/{stem}.ipynb out.ipynb -p cases {example}\n\n"
             "Cells: parameters, set-up, cluster, run, the plan's assertions (table and figures), "
@@ -109,7 +109,7 @@ def build(level: str) -> nbformat.NotebookNode:
         ),
         new_markdown_cell(
             "## The plan's assertions\nEach assertion of the case's plan row, the checks that judge it "
-            "(`tests/kit/plan.py`), the worst of their errors against the tolerance, and where the kit reads "
+            "(`tests/kit/plan/`), the worst of their errors against the tolerance, and where the kit reads "
             "the plan differently; then the figures the plan names."
         ),
         _code(

@@ -6,7 +6,7 @@ Checked in ``docs/*.md`` and ``README.md``:
   in a known extension) must exist. A token with a ``/`` is taken relative to the repository
   root; a bare file name (``toy_fsdp.py``) must be the name of a file somewhere in the
   repository, or a file name the code itself writes (a quoted string in a Python source, such as
-  ``"results.json"``). Dotted names of the repository's modules (``tests.kit.case.case_by_id``)
+  ``"results.json"``). Dotted names of the repository's modules (``tests.kit.judging.case.case_by_id``)
   must resolve to a module and the names after it must occur in its source. ``native:PATH`` and
   ``file:PATH`` specs are checked as paths;
 - fenced code blocks: the same, for tokens with a ``/`` and module names only (commands there
@@ -230,7 +230,7 @@ def test_a_wrong_name_is_caught() -> None:
         "`tests/kit/casse.py`": "tests/kit/casse.py",
         "`_watchdgo.py`": "_watchdgo.py",
         "`python benchmarks/bench_fsdp.py --help`": "benchmarks/bench_fsdp.py",
-        "`tests.kit.case.load_plan_casez()`": "load_plan_casez",
+        "`tests.kit.judging.case.load_plan_casez()`": "load_plan_casez",
         "`tests.kit.caes`": "tests.kit.caes",
         "`native:tests/fakes/raisin`": "native:tests/fakes/raisin",
         "[the kit](../tests/kitt/)": "../tests/kitt/",
@@ -238,7 +238,7 @@ def test_a_wrong_name_is_caught() -> None:
         "```\npython -m tests.kit.sweeep\n```": "tests.kit.sweeep",
     }
     fine = (
-        "`tests/kit/case.py` `_watchdog.py` `results.json` `tests.kit.case.load_plan_cases()` "
+        "`tests/kit/judging/case.py` `_watchdog.py` `results.json` `tests.kit.judging.case.load_plan_cases()` "
         "`native:tests/fakes/raising` `runs/<timestamp>/index.html` `runs/20250101-120000` "
         "`/path/to/hyper-parallel` `https://example.org/a.py` `{level}.ipynb` `tests/**/_ranks_*.py` "
         "`Shard(d) / Replicate() / None` `cores // world_size` [picture](case_flow.svg) "
@@ -267,7 +267,7 @@ def test_case_catalogue_is_current() -> None:
 
 
 def test_plan_fidelity_table_is_current() -> None:
-    """docs/plan_fidelity.md is exactly what docs/catalogue.py writes from tests/kit/plan.py."""
+    """docs/plan_fidelity.md is exactly what docs/catalogue.py writes from tests/kit/plan/."""
     catalogue = _catalogue()
     assert catalogue.FIDELITY_MD.read_text() == catalogue.fidelity(), (
         "docs/plan_fidelity.md is stale: run python docs/catalogue.py"

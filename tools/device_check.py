@@ -12,7 +12,7 @@ On a CPU-only host it runs on the CPU and says so (the accelerator parts are the
    same model without offload;
 3. the memory probe on the accelerator's allocator: a forward + backward's peak lower with
    activation checkpointing than without;
-4. the plan's bitwise rerun with the deterministic settings (``tests.kit.devices.deterministic``):
+4. the plan's bitwise rerun with the deterministic settings (``tests.kit.runtime.devices.deterministic``):
    two runs of the L3 decoder from one seed, equal bit for bit.
 """
 
@@ -27,13 +27,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.kit import devices  # noqa: E402
-from tests.kit.memory import peak_memory  # noqa: E402
-from tests.kit.models import DIMS, MLP, Checkpointed, FeedForwardStack  # noqa: E402
-from tests.kit.networks import LLM_SEQ, cross_entropy_loss, llm_decoder, token_batch  # noqa: E402
-from tests.kit.reference import SameDtypeReference  # noqa: E402
-from tests.kit.surface import impl  # noqa: E402
-from tests.kit.tolerances import tolerance  # noqa: E402
+from tests.kit.judging.memory import peak_memory  # noqa: E402
+from tests.kit.judging.reference import SameDtypeReference  # noqa: E402
+from tests.kit.judging.surface import impl  # noqa: E402
+from tests.kit.judging.tolerances import tolerance  # noqa: E402
+from tests.kit.runtime import devices  # noqa: E402
+from tests.kit.workloads.models import DIMS, MLP, Checkpointed, FeedForwardStack  # noqa: E402
+from tests.kit.workloads.networks import LLM_SEQ, cross_entropy_loss, llm_decoder, token_batch  # noqa: E402
 
 FAILED: list[str] = []
 

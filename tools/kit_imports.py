@@ -3,8 +3,9 @@
 Reads every module of ``tests/kit`` as source (its test modules left out) and prints the module
 count, the import arrows between kit modules (imports inside functions included: a deferred import
 is still a dependency), the import circles, the layers (a module's layer is one more than the
-highest layer it imports; circles share one), and the files over 450 lines. Issue 24 measures the
-kit's layout with it, before and after.
+highest layer it imports; circles share one), the arrows between the kit's subpackages (each may
+import only those before it in ``PACKAGES``) and the files over 450 lines. Issue 24 measured the
+kit's layout with it, before and after; ``tests/kit_tests/test_structure.py`` keeps it so.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / "tests" / "kit"
 LIMIT = 450
+# the kit's subpackages, bottom-up: each may import only those before it
+PACKAGES = ("runtime", "judging", "workloads", "plan", "explore", "front", "sweep")
 
 
 def modules() -> dict[str, Path]:
@@ -101,12 +104,42 @@ def layers(names: dict[str, Path], edges: set[tuple[str, str]], groups: list[lis
     return {n: layer(rep.get(n, n)) for n in names}
 
 
+def package_of(name: str) -> str:
+    """The kit subpackage a module belongs to ('' for the kit's own top-level modules)."""
+    parts = name.removeprefix("tests.kit").lstrip(".").split(".")
+    return parts[0] if len(parts) > 1 or parts[0] in PACKAGES else ""
+
+
+def package_arrows(edges: set[tuple[str, str]]) -> dict[tuple[str, str], int]:
+    """(importer's package, imported package) -> import arrows, between different packages."""
+    counts: dict[tuple[str, str], int] = {}
+    for a, b in edges:
+        pair = (package_of(a), package_of(b))
+        if pair[0] != pair[1]:
+            counts[pair] = counts.get(pair, 0) + 1
+    return counts
+
+
+def upward(edges: set[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Imports from a subpackage to one after it in ``PACKAGES`` (the wrong way)."""
+    rank = {name: place for place, name in enumerate(PACKAGES)}
+    return sorted(
+        (a, b)
+        for a, b in edges
+        if package_of(a) in rank and package_of(b) in rank and rank[package_of(b)] > rank[package_of(a)]
+    )
+
+
+def long_files(names: dict[str, Path]) -> list[tuple[int, str]]:
+    """(lines, module) of the modules over ``LIMIT`` lines."""
+    return [(n, m) for n, m in sorted((len(p.read_text().splitlines()), m) for m, p in names.items()) if n > LIMIT]
+
+
 def main() -> int:
     names = modules()
     edges = arrows(names)
     groups = circles(names, edges)
     depth = layers(names, edges, groups)
-    long = sorted((len(p.read_text().splitlines()), n) for n, p in names.items())
     print(
         f"{len(names)} modules, {len(edges)} import arrows, {max(depth.values()) + 1} layers, {len(groups)} circle(s)"
     )
@@ -117,9 +150,14 @@ def main() -> int:
             f"  layer {level}: "
             + ", ".join(sorted(n.removeprefix("tests.kit.") for n, d in depth.items() if d == level))
         )
-    for lines, name in long:
-        if lines > LIMIT:
-            print(f"  over {LIMIT} lines: {name} ({lines})")
+    print(
+        "  package arrows: "
+        + ", ".join(f"{a or 'kit'} -> {b or 'kit'} {n}" for (a, b), n in sorted(package_arrows(edges).items()))
+    )
+    for a, b in upward(edges):
+        print(f"  upward import: {a} -> {b}")
+    for lines, name in long_files(names):
+        print(f"  over {LIMIT} lines: {name} ({lines})")
     return 0
 
 

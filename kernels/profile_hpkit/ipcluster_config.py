@@ -10,7 +10,7 @@ c.Cluster.controller_launcher_class = "local"
 # More than one machine: pick one of ipyparallel's launchers instead, e.g.
 #
 #   MPI (mpiexec starts the engines; ranks follow MPI ranks; the engines need mpi4py; `mpich` and
-#   `mpi4py` from PyPI are enough on one machine, as tests/kit/test_launchers.py runs it):
+#   `mpi4py` from PyPI are enough on one machine, as tests/kit_tests/test_launchers.py runs it):
 #     c.Cluster.engine_launcher_class = "mpi"
 #     c.MPILauncher.mpi_args = ["--hostfile", "/path/to/hosts"]
 #
@@ -29,4 +29,4 @@ c.Cluster.controller_launcher_class = "local"
 #
 # Remote engines reach the driver's TCPStore at HPKIT_STORE_HOST (set it to this machine's
 # address) and need GLOO_SOCKET_IFNAME (or NCCL_SOCKET_IFNAME) naming a routable interface. Each
-# rank binds to the accelerator of its index among the ranks of its machine (tests/kit/devices.py).
+# rank binds to the accelerator of its index among the ranks of its machine (tests/kit/runtime/devices.py).

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
-from tests.kit.checks import StrictChecks
-from tests.kit.recorder import CollectiveRecorder
+from tests.kit.judging.checks import StrictChecks
+from tests.kit.judging.recorder import CollectiveRecorder
 
 
 def check_step_collectives(

@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from tests.kit.checks import StrictChecks
-from tests.kit.layout import local_numel
-from tests.kit.models import MLP, rank_batch, rank_batches
-from tests.kit.reference import ddp_of, full
-from tests.kit.surface import impl
-from tests.kit.training import named_params, shard_nested, square_mean, train_against
+from tests.kit.judging.checks import StrictChecks
+from tests.kit.judging.layout import local_numel
+from tests.kit.judging.reference import ddp_of, full
+from tests.kit.judging.surface import impl
+from tests.kit.workloads.models import MLP, rank_batch, rank_batches
+from tests.kit.workloads.training import named_params, shard_nested, square_mean, train_against
 from tests.torch.fully_shard._test_fully_shard import dcp_round_trip
 
 DIMS = (7, 13, 5, 3)

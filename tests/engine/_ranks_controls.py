@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from tests.kit.checks import StrictChecks
-from tests.kit.models import MLP, rank_batch, rank_batches
-from tests.kit.recorder import CollectiveRecorder
-from tests.kit.reference import ddp_of
-from tests.kit.training import (
+from tests.kit.judging.checks import StrictChecks
+from tests.kit.judging.recorder import CollectiveRecorder
+from tests.kit.judging.reference import ddp_of
+from tests.kit.workloads.models import MLP, rank_batch, rank_batches
+from tests.kit.workloads.training import (
     grad_norm,
     named_params,
     record_grads,

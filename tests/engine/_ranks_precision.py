@@ -8,12 +8,18 @@ import torch
 from torch import nn
 
 from tests.engine._checks import check_step_collectives
-from tests.kit.checks import StrictChecks
-from tests.kit.models import MLP, rank_batch, rank_batches
-from tests.kit.recorder import CollectiveRecorder
-from tests.kit.reference import SameDtypeReference
-from tests.kit.surface import impl
-from tests.kit.training import named_params, shard_nested, square_mean, train_accumulating_against, train_against
+from tests.kit.judging.checks import StrictChecks
+from tests.kit.judging.recorder import CollectiveRecorder
+from tests.kit.judging.reference import SameDtypeReference
+from tests.kit.judging.surface import impl
+from tests.kit.workloads.models import MLP, rank_batch, rank_batches
+from tests.kit.workloads.training import (
+    named_params,
+    shard_nested,
+    square_mean,
+    train_accumulating_against,
+    train_against,
+)
 
 DIMS = (7, 13, 5, 3)
 STEPS = 3

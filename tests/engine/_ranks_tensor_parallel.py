@@ -8,12 +8,12 @@ from typing import Any
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from tests.kit.checks import StrictChecks
-from tests.kit.models import FeedForwardStack, rank_batches
-from tests.kit.recorder import CollectiveRecorder
-from tests.kit.reference import ddp_of
-from tests.kit.surface import impl
-from tests.kit.training import differs_across_ranks, shard_nested, square_mean, train_against
+from tests.kit.judging.checks import StrictChecks
+from tests.kit.judging.recorder import CollectiveRecorder
+from tests.kit.judging.reference import ddp_of
+from tests.kit.judging.surface import impl
+from tests.kit.workloads.models import FeedForwardStack, rank_batches
+from tests.kit.workloads.training import differs_across_ranks, shard_nested, square_mean, train_against
 
 
 def tp_unfused_matches_ddp() -> None:

@@ -8,13 +8,21 @@ import torch
 from torch import nn
 
 from tests.engine._checks import check_step_collectives
-from tests.kit.checks import StrictChecks
-from tests.kit.layout import local_numels_after_forward, shard_shape
-from tests.kit.models import MLP, BranchyNet, Checkpointed, TiedEmbeddingNet, rank_batch, rank_batches, rank_tokens
-from tests.kit.recorder import CollectiveRecorder
-from tests.kit.reference import SameDtypeReference, ddp_of
-from tests.kit.surface import impl
-from tests.kit.training import shard_nested, square_mean, train_against
+from tests.kit.judging.checks import StrictChecks
+from tests.kit.judging.layout import local_numels_after_forward, shard_shape
+from tests.kit.judging.recorder import CollectiveRecorder
+from tests.kit.judging.reference import SameDtypeReference, ddp_of
+from tests.kit.judging.surface import impl
+from tests.kit.workloads.models import (
+    MLP,
+    BranchyNet,
+    Checkpointed,
+    TiedEmbeddingNet,
+    rank_batch,
+    rank_batches,
+    rank_tokens,
+)
+from tests.kit.workloads.training import shard_nested, square_mean, train_against
 
 DIMS = (7, 13, 5, 3)
 STEPS = 3

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.l4_examples < 0:
         raise SystemExit(f"--l4-examples must be >= 0, got {args.l4_examples}")
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")
-    from tests.kit.notebook import select as select_cases
+    from tests.kit.front.notebook import select as select_cases
     from tools.defects.judge import Finding, compare, judge_tree
 
     out = Path(args.out) if args.out else REPO_ROOT / "runs" / f"defects-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.kit.case import Case
+from tests.kit.judging.case import Case
 
 BAD = {"FAIL", "ERROR", "TIMEOUT", "DIED"}
 
@@ -45,8 +45,9 @@ def judge_tree(
 ) -> TreeRun:
     """The plan cases and an L4 survey of the upstream tree at ``tree`` (each distinct failure
     shrunk once where ``shrink``: upstream's head; elsewhere only the signatures are compared)."""
-    from tests.kit.cluster import RankCluster
-    from tests.kit.explore.runner import explore_all, features_of, known_defects_of
+    from tests.kit.explore.runner import features_of, known_defects_of
+    from tests.kit.explore.survey import explore_all
+    from tests.kit.runtime.cluster import RankCluster
 
     started = time.monotonic()
     spec = f"upstream:{tree}"
@@ -81,9 +82,9 @@ def judge_tree(
 def judge_cases(spec: str, cases: list[Case], engines: int, progress: Callable[[str], None]) -> dict[str, Any]:
     """Each case on fresh engines: its verdict summary with the names of its failed and passed
     checks (a case failing on both trees may still fail more checks with the defect)."""
-    from tests.kit.cluster import RankCluster
-    from tests.kit.notebook import summarize
-    from tests.kit.verdict import judge_case
+    from tests.kit.front.notebook import summarize
+    from tests.kit.judging.verdict import judge_case
+    from tests.kit.runtime.cluster import RankCluster
 
     rows: dict[str, Any] = {}
     with RankCluster.start(engines, implementation=spec) as cluster:

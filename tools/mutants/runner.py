@@ -32,7 +32,7 @@ from .pytest_progress import PROGRESS_ENV
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CASE_MARKERS = "L0 or L1 or L2 or L3"
 CASE_TESTS = "tests/torch"
-L4_TESTS = "tests/kit/test_explore.py"
+L4_TESTS = "tests/kit_tests/test_explore.py"
 ENGINE_TESTS = "tests/engine"
 PLUGIN = "tools.mutants.pytest_progress"
 TOKEN_ENV = "MUTANTS_RUN_TOKEN"  # in the environment of every process a tree's runs start
@@ -322,7 +322,7 @@ def pytest_command(suite: str, junit: Path, config: RunConfig) -> list[str]:
         return [*cmd, "-m", CASE_MARKERS, *config.case_targets]
     if suite == "engine":
         return [*cmd, "-m", "engine", *(["-k", config.engine_k] if config.engine_k else []), ENGINE_TESTS]
-    if suite == "l4":  # the explorer alone, on the budget HPKIT_L4_EXAMPLES gives it (tests/kit/test_explore.py)
+    if suite == "l4":  # the explorer alone, on the budget HPKIT_L4_EXAMPLES gives it (tests/kit_tests/test_explore.py)
         return [*cmd, f"{L4_TESTS}::test_the_explorer_finds_nothing_within_its_budget"]
     raise ValueError(f"unknown suite {suite!r}")
 
@@ -405,7 +405,7 @@ def plan_cases(repo: Path) -> dict[str, tuple[str, str]]:
     if str(repo) not in sys.path:
         sys.path.insert(0, str(repo))
     try:
-        from tests.kit.case import LEVELS, load_plan_cases
+        from tests.kit.judging.case import LEVELS, load_plan_cases
 
         registry = load_plan_cases()
     except Exception as exc:  # noqa: BLE001 - the matrix then shows test names instead of ids

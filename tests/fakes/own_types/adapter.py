@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tests.kit.surface import Implementation, Spec, import_package
+from tests.kit.judging.surface import Implementation, Spec, import_package
 
 
 class _Shard:

@@ -27,14 +27,14 @@ from tests.kit.explore.runner import (
     ExampleResult,
     coverage_rows,
     explore,
-    explore_all,
     features_of,
     known_defects_of,
     load,
     needs_fresh_engines,
     run_config,
 )
-from tests.kit.surface import FEATURES
+from tests.kit.explore.survey import explore_all
+from tests.kit.judging.surface import FEATURES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,7 +51,10 @@ def _parser() -> argparse.ArgumentParser:
         "--without",
         default="",
         metavar="FEATURE[,FEATURE]",
-        help="declared features not to draw (to explore past a known defect; names: FEATURES in tests/kit/surface.py)",
+        help=(
+            "declared features not to draw (to explore past a known defect; "
+            "names: FEATURES in tests/kit/judging/surface.py)"
+        ),
     )
     parser.add_argument(
         "--keep-going",
@@ -100,7 +103,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
         except (FileNotFoundError, ValueError, KeyError) as exc:
             raise SystemExit(f"--replay: {exc}") from None
     if args.implementation:
-        from tests.kit.surface import parse_spec
+        from tests.kit.judging.surface import parse_spec
 
         try:
             parse_spec(args.implementation)
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _check_arguments(args)
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")
-    from tests.kit.cluster import RankCluster
+    from tests.kit.runtime.cluster import RankCluster
 
     engines = load(args.replay).world if args.replay else args.max_world
     with RankCluster.start(max(2, engines), implementation=args.implementation or None, startup_timeout=180) as cluster:

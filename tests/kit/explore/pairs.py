@@ -28,8 +28,9 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 
-from tests.kit.explore import grammar, space
-from tests.kit.explore.space import Config, configs
+from tests.kit.explore import draws, grammar, space
+from tests.kit.explore.draws import configs
+from tests.kit.explore.space import Config
 
 POOL = 400  # configurations drawn to choose the covering ones from (about 10 s of drawing)
 COVER_SEED = 0  # the pool's seed: the same covering configurations whatever the exploration's seed
@@ -146,7 +147,7 @@ def covering(
 
 
 def _key(features: frozenset[str], max_world: int, min_world: int, avoid: tuple[frozenset[str], ...]) -> str:
-    source = inspect.getsource(space) + inspect.getsource(grammar)
+    source = inspect.getsource(space) + inspect.getsource(draws) + inspect.getsource(grammar)
     text = json.dumps([sorted(features), max_world, min_world, sorted(map(sorted, avoid)), POOL, COVER_SEED, source])
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.kit.cluster import RankCluster
 from tests.kit.explore.runner import (
     ExampleResult,
     Exploration,
@@ -21,6 +20,7 @@ from tests.kit.explore.runner import (
     load,
     run_config,
 )
+from tests.kit.runtime.cluster import RankCluster
 
 
 @dataclass

@@ -26,12 +26,13 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import Flaky
 
-from tests.kit.checks import Check
-from tests.kit.cluster import RankCluster, RankFailure
+from tests.kit.explore.draws import configs
 from tests.kit.explore.oracle import run_example
 from tests.kit.explore.pairs import covering as covering_of
 from tests.kit.explore.pairs import pairs_text
-from tests.kit.explore.space import Config, configs
+from tests.kit.explore.space import Config
+from tests.kit.judging.checks import Check
+from tests.kit.runtime.cluster import RankCluster, RankFailure
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SAVED = REPO_ROOT / "runs" / "l4"
@@ -199,7 +200,7 @@ def explore(
         failed = found.minimal
         found.pairs = plan.measure(ran)
         cache = {failed.id: failed}
-        shrunk = _shrink_one(_cached(cluster, isolate, cache), draw, failed.signature, examples, seed, 300.0)
+        shrunk = shrink_one(cached_runner(cluster, isolate, cache), draw, failed.signature, examples, seed, 300.0)
         found.minimal = shrunk or failed
         found.examples += len(cache) - 1
         found.saved = save(found.minimal, save_dir)
@@ -261,7 +262,9 @@ def _cover_first(
     return False
 
 
-def _cached(cluster: RankCluster, isolate: bool, cache: dict[str, ExampleResult]) -> Callable[[Config], ExampleResult]:
+def cached_runner(
+    cluster: RankCluster, isolate: bool, cache: dict[str, ExampleResult]
+) -> Callable[[Config], ExampleResult]:
     """``run_config`` remembering every result by configuration id (a shrink replays draws)."""
 
     def run(config: Config) -> ExampleResult:
@@ -273,112 +276,7 @@ def _cached(cluster: RankCluster, isolate: bool, cache: dict[str, ExampleResult]
     return run
 
 
-@dataclass
-class DistinctFailure:
-    """One distinct way an implementation failed in a keep-going exploration."""
-
-    signature: str
-    first: ExampleResult  # the first drawn configuration failing this way
-    count: int = 1  # drawn configurations failing this way
-    minimal: ExampleResult | None = None  # after shrinking (None: not shrunk)
-    saved: Path | None = None
-
-
-@dataclass
-class Survey:
-    """What a keep-going exploration ran and found: every distinct failure, each shrunk once."""
-
-    exploration: Exploration
-    defects: list[DistinctFailure] = field(default_factory=list)
-    failed_checks: Counter = field(default_factory=Counter)  # every failed check's signature -> configurations
-
-    @property
-    def passed(self) -> bool:
-        return not self.defects
-
-    def summary(self) -> str:
-        lines = [f"{self.exploration.head()}: {len(self.defects)} distinct failure(s)"]
-        for number, defect in enumerate(self.defects, 1):
-            shown = defect.minimal or defect.first
-            size = shown.config.size()
-            lines.append(
-                f"  {number}. {defect.signature} — {defect.count} configuration(s); smallest: {shown.id} "
-                f"({size['groups']} group(s), {size['steps']} step(s), world {size['world']})"
-            )
-        return "\n".join(lines)
-
-
-def explore_all(
-    cluster: RankCluster,
-    features: frozenset[str],
-    examples: int = 50,
-    seed: int = 0,
-    max_world: int = 4,
-    *,
-    min_world: int = 1,
-    isolate: bool = False,
-    avoid: tuple[frozenset[str], ...] = (),
-    shrink: bool = True,
-    shrink_budget_s: float = 300.0,
-    on_example: Callable[[ExampleResult, bool], None] | None = None,
-    save_dir: Path = SAVED,
-    cover: bool = True,
-) -> Survey:
-    """Keep exploring past failures: draw and run all ``examples`` configurations, group the failing
-    ones by signature (``generic`` first failing check, or what was raised), then shrink the first
-    of each signature once (``shrink_budget_s`` each). The shrinking replays the same seed with a
-    cache of every run, so reaching a signature's first configuration again costs no run."""
-    cache: dict[str, ExampleResult] = {}
-    run = _cached(cluster, isolate, cache)
-    survey = Survey(Exploration())
-    started = time.monotonic()
-    by_signature: dict[str, DistinctFailure] = {}
-
-    ran: list[Config] = []
-
-    def record(result: ExampleResult, shrinking: bool, covering: bool = False) -> None:
-        if on_example is not None:
-            on_example(result, shrinking)
-        if shrinking:
-            return
-        if covering:
-            survey.exploration.covering += 1
-        else:
-            survey.exploration.drawn += 1
-        ran.append(result.config)
-        survey.exploration.coverage.update(result.config.coverage().items())
-        if not result.passed:
-            survey.failed_checks.update(result.signatures)
-            if result.signature in by_signature:
-                by_signature[result.signature].count += 1
-            else:
-                by_signature[result.signature] = DistinctFailure(result.signature, result)
-
-    max_world = min(max_world, cluster.n_engines)
-    draw = configs(features, max_world, min(min_world, max_world), avoid)
-    plan = covering_of(features, max_world, min(min_world, max_world), avoid) if cover else None
-    for config in plan.configs if plan else ():
-        record(run(config), False, covering=True)
-
-    @settings(settings.get_profile("ci"), max_examples=examples, phases=(Phase.explicit, Phase.generate))
-    @hypothesis_seed(seed)
-    @given(draw)
-    def every_configuration(config: Config) -> None:
-        record(run(config), False)
-
-    every_configuration()
-    survey.defects = list(by_signature.values())
-    if shrink:
-        for defect in survey.defects:
-            defect.minimal = _shrink_one(run, draw, defect.signature, examples, seed, shrink_budget_s)
-            defect.saved = save(defect.minimal, save_dir) if defect.minimal is not None else None
-    survey.exploration.examples = len(cache)
-    survey.exploration.pairs = plan.measure(ran) if plan else {}
-    survey.exploration.seconds = time.monotonic() - started
-    return survey
-
-
-def _shrink_one(
+def shrink_one(
     run: Callable[[Config], ExampleResult], draw: Any, signature: str, examples: int, seed: int, budget_s: float
 ) -> ExampleResult | None:
     """The smallest configuration failing with ``signature``: the same seed again, where only that
@@ -448,7 +346,7 @@ def features_of(cluster: RankCluster) -> frozenset[str]:
 
 
 def _declared() -> list[str]:
-    from tests.kit.surface import impl
+    from tests.kit.judging.surface import impl
 
     return sorted(impl.features)
 
@@ -460,7 +358,7 @@ def needs_fresh_engines(cluster: RankCluster) -> bool:
 
 
 def _fresh_engines() -> bool:
-    from tests.kit.surface import impl
+    from tests.kit.judging.surface import impl
 
     return bool(impl.fresh_engines)
 
@@ -472,7 +370,7 @@ def known_defects_of(cluster: RankCluster) -> dict[frozenset[str], str]:
 
 
 def _known_defects() -> list[tuple[list[str], str]]:
-    from tests.kit.surface import impl
+    from tests.kit.judging.surface import impl
 
     return [(sorted(names), why) for names, why in impl.known_defects.items()]
 

@@ -13,15 +13,15 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from tests.kit.case import CaseContext, case
-from tests.kit.checks import device_type
-from tests.kit.layout import local_numels_after_forward, padded_shard_numel, shard_shape
-from tests.kit.models import DIMS, MLP, UNEVEN_DIMS, FeedForwardStack, rank_batch, rank_batches
-from tests.kit.recorder import CollectiveRecorder
-from tests.kit.reference import SameDtypeReference, ddp_of, full
-from tests.kit.surface import impl
-from tests.kit.tolerances import Tolerance, tolerance
-from tests.kit.training import (
+from tests.kit.judging.case import CaseContext, case
+from tests.kit.judging.checks import device_type
+from tests.kit.judging.layout import local_numels_after_forward, padded_shard_numel, shard_shape
+from tests.kit.judging.recorder import CollectiveRecorder
+from tests.kit.judging.reference import SameDtypeReference, ddp_of, full
+from tests.kit.judging.surface import impl
+from tests.kit.judging.tolerances import Tolerance, tolerance
+from tests.kit.workloads.models import DIMS, MLP, UNEVEN_DIMS, FeedForwardStack, rank_batch, rank_batches
+from tests.kit.workloads.training import (
     differs_across_ranks,
     named_params,
     record_params,

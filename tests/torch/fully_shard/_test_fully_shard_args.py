@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from tests.kit.case import CaseContext, case
-from tests.kit.checks import raised
-from tests.kit.models import DIMS, MLP, rank_batches
-from tests.kit.reference import ddp_of
-from tests.kit.surface import impl
-from tests.kit.training import named_params, shard_nested, square_mean, train_against
+from tests.kit.judging.case import CaseContext, case
+from tests.kit.judging.checks import raised
+from tests.kit.judging.reference import ddp_of
+from tests.kit.judging.surface import impl
+from tests.kit.workloads.models import DIMS, MLP, rank_batches
+from tests.kit.workloads.training import named_params, shard_nested, square_mean, train_against
 
 _HOOK_DICTS = (
     "_forward_pre_hooks",

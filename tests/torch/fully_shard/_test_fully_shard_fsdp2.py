@@ -12,14 +12,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812 - torch's own alias
 
-from tests.kit.case import CaseContext, case
-from tests.kit.checks import raised, refused_with
-from tests.kit.layout import local_numels_after_forward, padded_shard_numel, shard_shape
-from tests.kit.models import DIMS, MLP, rank_tokens
-from tests.kit.recorder import CollectiveRecorder
-from tests.kit.reference import ddp_of
-from tests.kit.surface import impl
-from tests.kit.training import (
+from tests.kit.judging.case import CaseContext, case
+from tests.kit.judging.checks import raised, refused_with
+from tests.kit.judging.layout import local_numels_after_forward, padded_shard_numel, shard_shape
+from tests.kit.judging.recorder import CollectiveRecorder
+from tests.kit.judging.reference import ddp_of
+from tests.kit.judging.surface import impl
+from tests.kit.workloads.models import DIMS, MLP, rank_tokens
+from tests.kit.workloads.training import (
     BackwardRecorder,
     differs_across_ranks,
     distinct_batches,

@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.kit.case import CaseContext, case
-from tests.kit.checks import refused_with
-from tests.kit.layout import padded_shard_numel
-from tests.kit.models import DIMS, MLP
-from tests.kit.reference import ddp_of, named_params
-from tests.kit.surface import impl
-from tests.kit.training import (
+from tests.kit.judging.case import CaseContext, case
+from tests.kit.judging.checks import refused_with
+from tests.kit.judging.layout import padded_shard_numel
+from tests.kit.judging.reference import ddp_of, named_params
+from tests.kit.judging.surface import impl
+from tests.kit.workloads.models import DIMS, MLP
+from tests.kit.workloads.training import (
     BackwardRecorder,
     distinct_batches,
     shard_nested,

@@ -14,13 +14,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from tests.kit.case import CaseContext, case
-from tests.kit.checks import device_type
-from tests.kit.devices import compute_device
-from tests.kit.models import DIMS, MLP
-from tests.kit.reference import ddp_of, named_params
-from tests.kit.surface import impl
-from tests.kit.training import (
+from tests.kit.judging.case import CaseContext, case
+from tests.kit.judging.checks import device_type
+from tests.kit.judging.reference import ddp_of, named_params
+from tests.kit.judging.surface import impl
+from tests.kit.runtime.devices import compute_device
+from tests.kit.workloads.models import DIMS, MLP
+from tests.kit.workloads.training import (
     differs_across_ranks,
     distinct_batches,
     raises_nothing,

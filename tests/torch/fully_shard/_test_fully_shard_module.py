@@ -7,20 +7,20 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tests.kit.case import CaseContext, case
-from tests.kit.layout import (
+from tests.kit.judging.case import CaseContext, case
+from tests.kit.judging.layout import (
     local_numel,
     local_numels,
     local_numels_after_forward,
     numels,
     padded_shard_numel,
 )
-from tests.kit.models import DIMS, MLP, rank_batch, rank_batches
-from tests.kit.recorder import CollectiveRecorder, record_collectives
-from tests.kit.reference import ddp_of, full, gather_from
-from tests.kit.surface import impl
-from tests.kit.tolerances import specific
-from tests.kit.training import (
+from tests.kit.judging.recorder import CollectiveRecorder, record_collectives
+from tests.kit.judging.reference import ddp_of, full, gather_from
+from tests.kit.judging.surface import impl
+from tests.kit.judging.tolerances import specific
+from tests.kit.workloads.models import DIMS, MLP, rank_batch, rank_batches
+from tests.kit.workloads.training import (
     differs_across_ranks,
     grad_norm,
     named_params,

@@ -13,15 +13,15 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.kit.case import CaseContext, case
-from tests.kit.layout import padded_shard_numel
-from tests.kit.models import DIMS, MLP, NestedInputs, rank_batches
-from tests.kit.networks import Decoder, DecoderConfig, cross_entropy_loss, token_batch
-from tests.kit.recorder import CollectiveRecorder
-from tests.kit.reference import GlobalBatchReference, SameDtypeReference, ddp_of, full
-from tests.kit.surface import impl
-from tests.kit.tolerances import Tolerance, specific, tolerance
-from tests.kit.training import (
+from tests.kit.judging.case import CaseContext, case
+from tests.kit.judging.layout import padded_shard_numel
+from tests.kit.judging.recorder import CollectiveRecorder
+from tests.kit.judging.reference import GlobalBatchReference, SameDtypeReference, ddp_of, full
+from tests.kit.judging.surface import impl
+from tests.kit.judging.tolerances import Tolerance, specific, tolerance
+from tests.kit.workloads.models import DIMS, MLP, NestedInputs, rank_batches
+from tests.kit.workloads.networks import Decoder, DecoderConfig, cross_entropy_loss, token_batch
+from tests.kit.workloads.training import (
     differs_across_ranks,
     grad_norm,
     named_params,

@@ -18,13 +18,13 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from tests.kit.case import CaseContext, case
-from tests.kit.checks import device_type
-from tests.kit.memory import peak_memory
-from tests.kit.models import Checkpointed, FeedForwardStack, rank_batches, without_checkpointing
-from tests.kit.reference import GlobalBatchReference
-from tests.kit.tolerances import Tolerance
-from tests.kit.training import (
+from tests.kit.judging.case import CaseContext, case
+from tests.kit.judging.checks import device_type
+from tests.kit.judging.memory import peak_memory
+from tests.kit.judging.reference import GlobalBatchReference
+from tests.kit.judging.tolerances import Tolerance
+from tests.kit.workloads.models import Checkpointed, FeedForwardStack, rank_batches, without_checkpointing
+from tests.kit.workloads.training import (
     ForwardLog,
     differs_across_ranks,
     grad_norm,

@@ -1,7 +1,7 @@
 """Plan case of ``_test_fully_shard_with_ep.py``: fully_shard with expert parallelism (L2-10), on an
 (ep, dp) mesh of 4 ranks.
 
-Layout. A small MoE decoder (``tests.kit.networks``: 2 blocks, block 1's FFN a mixture of 4 top-2
+Layout. A small MoE decoder (``tests.kit.workloads.networks``: 2 blocks, block 1's FFN a mixture of 4 top-2
 experts) has its experts split over the ep dim (``split_experts``: ep rank r keeps experts 2r and
 2r + 1 and dispatches tokens to their owners by a differentiable all-to-all); every kept expert is
 its own fully_shard group over the dp sub-mesh (the 2 ranks holding the same experts). Everything
@@ -23,9 +23,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.kit.case import CaseContext, case
-from tests.kit.checks import device_type
-from tests.kit.networks import (
+from tests.kit.judging.case import CaseContext, case
+from tests.kit.judging.checks import device_type
+from tests.kit.judging.recorder import record_collectives
+from tests.kit.judging.surface import impl
+from tests.kit.judging.tolerances import specific
+from tests.kit.workloads.networks import (
     Decoder,
     DecoderConfig,
     expert_name_map,
@@ -35,10 +38,7 @@ from tests.kit.networks import (
     split_experts,
     summed_cross_entropy,
 )
-from tests.kit.recorder import record_collectives
-from tests.kit.surface import impl
-from tests.kit.tolerances import specific
-from tests.kit.training import differs_across_ranks, grad_norm, train_against
+from tests.kit.workloads.training import differs_across_ranks, grad_norm, train_against
 
 # a small moe_decoder: every sharded dim divides by 4 (the dense mesh) and 2 (the dp sub-mesh)
 CONFIG = DecoderConfig(

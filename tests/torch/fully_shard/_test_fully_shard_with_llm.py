@@ -21,9 +21,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.kit.case import CaseContext, case
-from tests.kit.determinism import Run, rerun_bitwise
-from tests.kit.networks import (
+from tests.kit.judging.case import CaseContext, case
+from tests.kit.judging.determinism import Run, rerun_bitwise
+from tests.kit.judging.recorder import record_collectives
+from tests.kit.judging.reference import ddp_of
+from tests.kit.judging.surface import impl
+from tests.kit.judging.tolerances import Tolerance, specific
+from tests.kit.workloads.networks import (
     CE_CHUNK,
     LLM_SEQ,
     MOE_SEQ,
@@ -40,11 +44,7 @@ from tests.kit.networks import (
     summed_cross_entropy,
     token_batch,
 )
-from tests.kit.recorder import record_collectives
-from tests.kit.reference import ddp_of
-from tests.kit.surface import impl
-from tests.kit.tolerances import Tolerance, specific
-from tests.kit.training import (
+from tests.kit.workloads.training import (
     differs_across_ranks,
     grad_norm,
     named_params,

@@ -49,12 +49,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.kit.case import CaseContext, case
-from tests.kit.checks import device_type
-from tests.kit.models import MLP, rank_batch
-from tests.kit.recorder import record_collectives
-from tests.kit.surface import impl
-from tests.kit.training import differs_across_ranks, shard_nested, train_against
+from tests.kit.judging.case import CaseContext, case
+from tests.kit.judging.checks import device_type
+from tests.kit.judging.recorder import record_collectives
+from tests.kit.judging.surface import impl
+from tests.kit.workloads.models import MLP, rank_batch
+from tests.kit.workloads.training import differs_across_ranks, shard_nested, train_against
 
 DIMS = (8, 16, 12, 16, 4)  # four Linear layers: two per stage
 STAGE_LAYERS = ((0, 1), (2, 3))  # the MLP's layers held by stage 0 and stage 1

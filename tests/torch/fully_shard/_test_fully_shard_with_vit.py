@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.kit.case import CaseContext, case
-from tests.kit.determinism import Run, rerun_bitwise
-from tests.kit.networks import token_batch
-from tests.kit.reference import ddp_of
-from tests.kit.surface import impl
-from tests.kit.tolerances import Tolerance
-from tests.kit.training import (
+from tests.kit.judging.case import CaseContext, case
+from tests.kit.judging.determinism import Run, rerun_bitwise
+from tests.kit.judging.reference import ddp_of
+from tests.kit.judging.surface import impl
+from tests.kit.judging.tolerances import Tolerance
+from tests.kit.workloads.networks import token_batch
+from tests.kit.workloads.training import (
     differs_across_ranks,
     grad_norm,
     named_params,
@@ -28,7 +28,7 @@ from tests.kit.training import (
     train_against,
     train_alone,
 )
-from tests.kit.vision import Multimodal, image_batch, vit
+from tests.kit.workloads.vision import Multimodal, image_batch, vit
 from tests.torch.fully_shard._test_fully_shard_with_llm import STEPS, Trajectory, adamw
 
 IMAGES = 2  # images per rank

@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tests.kit.case import CaseContext, case
-from tests.kit.layout import shard_shape
-from tests.kit.models import DIMS, MLP, rank_batches
-from tests.kit.recorder import CollectiveRecorder
-from tests.kit.reference import GlobalBatchReference
-from tests.kit.surface import impl
-from tests.kit.tolerances import Tolerance, specific
-from tests.kit.training import (
+from tests.kit.judging.case import CaseContext, case
+from tests.kit.judging.layout import shard_shape
+from tests.kit.judging.recorder import CollectiveRecorder
+from tests.kit.judging.reference import GlobalBatchReference
+from tests.kit.judging.surface import impl
+from tests.kit.judging.tolerances import Tolerance, specific
+from tests.kit.workloads.models import DIMS, MLP, rank_batches
+from tests.kit.workloads.training import (
     differs_across_ranks,
     named_params,
     shard_nested,

@@ -1,2 +1,0 @@
-"""Adapters of the implementation surface (``tests.kit.surface``): one module per kind of
-implementation, each with ``load(spec) -> Implementation``. They only translate."""

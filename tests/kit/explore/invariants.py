@@ -1,0 +1,268 @@
+"""The invariants L4 checks at fixed points of each step (a mixin of ``oracle.Example``): the
+layout (shard shapes, placements, dtypes, storage no larger than the shards), the params' numels
+after forward and backward as the reshard settings say, the all-gathers each forward and backward
+issue (via ``gathers.GatherLedger``), the collectives' dtypes and params, the output's structure,
+grads and params against ``PromisedReference``, and state dicts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.kit.explore.gathers import Unit
+from tests.kit.explore.grammar import Out, first_tensor
+from tests.kit.explore.promised import ParamPlan
+from tests.kit.explore.space import PRECISIONS, checkpointed
+from tests.kit.judging.layout import local_numel, shard_shape
+from tests.kit.judging.recorder import CollectiveRecorder
+from tests.kit.judging.reference import full
+from tests.kit.judging.surface import impl
+
+
+class Invariants:
+    """The checks at fixed points of a step: layout, numels, all-gathers, collectives, numbers."""
+
+    def _own_numels(self, index: int, module_path: str | None = None) -> dict[str, int]:
+        """Elements held of the params of call ``index`` (of its module ``module_path`` only)."""
+        params = dict(self.model.named_parameters())
+        return {
+            path: local_numel(params[path])
+            for path, plan in self.plans.items()
+            if plan.group == index and (module_path is None or module_path == "" or path.startswith(module_path + "."))
+        }
+
+    def _expected_local(self, plan: ParamPlan) -> tuple[int, ...]:
+        shape = self.shapes[plan.path]
+        if plan.kind != "sharded":
+            return shape
+        size, place = self.meshes.shard_coordinate(plan.mesh)
+        return shard_shape(shape, size, place, plan.dim)
+
+    def _check_layout(self) -> None:
+        params = dict(self.model.named_parameters())
+        for path, plan in self.plans.items():
+            param = params[path]
+            local = tuple(impl.local(param).shape)
+            self.ctx.equal(f"layout {path}: local shape", str(local), str(self._expected_local(plan)))
+            self.ctx.equal(f"layout {path}: dtype", str(param.dtype), str(self.reference.master_dtype(path)))
+            if plan.kind == "ignored":
+                self.ctx.true(
+                    f"layout {path}: ignored, a plain tensor", not impl.is_sharded(param), type(param).__name__
+                )
+                continue
+            self.ctx.true(f"layout {path}: sharded tensor", impl.is_sharded(param), type(param).__name__)
+            placements = [str(p) for p in impl.placements(param)]
+            self.ctx.equal(f"layout {path}: placements", str(placements), str(self._placements(plan)))
+        for index in range(len(self.config.groups)):
+            self._check_shard_storage(index, params)
+
+    def _check_shard_storage(self, index: int, params: dict[str, nn.Parameter]) -> None:
+        """What call ``index``'s params hold once sharded is no more than their shards: the distinct
+        storages under its local shards at most each sharded param's padded shard (ceil(rows / ranks)
+        rows) and each replicated param whole. A shard that is a view of the whole tensor fails it
+        (nothing would be freed by sharding)."""
+        held: dict[int, int] = {}
+        bound = 0
+        for path, plan in self.plans.items():
+            if plan.group != index or plan.kind == "ignored":
+                continue
+            local = impl.local(params[path])
+            storage = local.untyped_storage()
+            held[storage.data_ptr()] = storage.nbytes()
+            size, _ = self.meshes.shard_coordinate(plan.mesh)
+            shape = shard_shape(self.shapes[path], size, 0, plan.dim) if plan.kind == "sharded" else self.shapes[path]
+            bound += torch.Size(shape).numel() * local.element_size()
+        label = f"layout call {index}: bytes of storage under its local shards (at most their padded shards)"
+        self.ctx.true(label, sum(held.values()) <= bound, str(sum(held.values())), f"<= {bound}")
+
+    def _layout_broken(self) -> bool:
+        """Whether a layout check failed on any rank (one all-reduce, so every rank stops together)."""
+        broken = torch.tensor([float(any(not check.passed for check in self.ctx.checks))])
+        dist.all_reduce(broken, op=dist.ReduceOp.MAX)
+        return bool(broken.item())
+
+    def _placements(self, plan: ParamPlan) -> list[str]:
+        inner = str(impl.Replicate()) if plan.kind == "replicated" else str(impl.Shard(plan.dim))
+        if plan.mesh == "mesh" and self.config.hsdp:
+            return [str(impl.Replicate()), inner]
+        return [inner]
+
+    def _units(self) -> list[Unit]:
+        return [(index, path) for index, group in enumerate(self.config.groups) for path in group.paths]
+
+    def _gather_sizes(self) -> tuple[dict[Unit, int], dict[Unit, int]]:
+        """Per unit, the elements this rank contributes to gathering its sharded params (each shard
+        padded to ceil(rows / ranks) rows; none where they shard over one rank: a copy, which may be
+        skipped), and the all-gathers that takes (one; one per param with ``comm_fusion=False``)."""
+        sizes: dict[Unit, int] = {}
+        calls: dict[Unit, int] = {}
+        for unit in self._units():
+            shards = []
+            for path in self._own_numels(*unit):
+                plan = self.plans[path]
+                size, _ = self.meshes.shard_coordinate(plan.mesh)
+                if plan.kind == "sharded" and size > 1:
+                    shards.append(torch.Size(shard_shape(self.shapes[path], size, 0, plan.dim)).numel())
+            sizes[unit] = sum(shards)
+            fused = self.config.groups[unit[0]].comm_fusion
+            calls[unit] = 0 if not shards else 1 if fused else len(shards)
+        return sizes, calls
+
+    @property
+    def recompute(self) -> bool:
+        """Whether a block runs under activation checkpointing (a recompute may gather again)."""
+        return checkpointed(self.config.body)
+
+    def _resharded_after_forward(self) -> list[bool | int]:
+        """Each call's effective reshard_after_forward: None reshards all but the root; an int ``k``
+        stays an int where it keeps rows of ``k`` ranks (1 is False, the shard group's size True)."""
+        last = len(self.config.groups) - 1
+        return [self._effective(i, flag, last) for i, flag in enumerate(self.reshard_after_forward)]
+
+    def _effective(self, index: int, flag: bool | int | None, last: int) -> bool | int:
+        if flag is None:
+            return index != last
+        if type(flag) is not int:
+            return flag
+        shard, _ = self.meshes.shard_coordinate(self.config.groups[index].mesh)
+        return False if flag == 1 else True if flag == shard else flag
+
+    def _rows_gather(self, unit: Unit, k: int) -> tuple[int, int]:
+        """(least, most) elements this rank contributes to gathering ``unit`` back from rows of
+        ``k`` ranks: its row's share of each sharded param (its chunk of the unpadded param), up to
+        1/k of the param as padded for the whole shard group (FSDP2 keeps that padding)."""
+        least = most = 0
+        for path in self._own_numels(*unit):
+            plan = self.plans[path]
+            size, _ = self.meshes.shard_coordinate(plan.mesh)
+            if plan.kind != "sharded" or size == 1:
+                continue
+            least += torch.Size(shard_shape(self.shapes[path], k, 0, plan.dim)).numel()
+            most += size * torch.Size(shard_shape(self.shapes[path], size, 0, plan.dim)).numel() // k
+        return least, most
+
+    def _check_gathers(self, where: str, rec: Any, bounds: tuple[int, int], calls: int | None = None) -> None:
+        gathers = [c for c in rec.calls if c.op == "all_gather" and c.group_size > 1]
+        gathered = sum(c.numel for c in gathers)
+        least, most = bounds
+        label = f"{where}: elements all-gathered (each sharded module it needs, once)"
+        self.ctx.true(label, least <= gathered <= most, str(gathered), f"{least}..{most}")
+        if calls is not None and least == most and "comm_fusion" in impl.features:
+            label = f"{where}: all-gathers (one per module, one per param with comm_fusion=False)"
+            self.ctx.equal(label, len(gathers), calls)
+
+    def _check_output(self, where: str, out: Any, ref_out: Any) -> None:
+        self.ctx.equal(f"{where} output type", type(out).__name__, type(ref_out).__name__)
+        received, promised = self.model.received, self.reference.compute.received
+        self.ctx.equal(f"{where} dtype of the input the root module's forward received", received, promised)
+        if isinstance(out, (dict, Out)) or isinstance(ref_out, (dict, Out)):
+            keys = sorted(out) if isinstance(out, dict) else sorted(vars(out)) if isinstance(out, Out) else []
+            ref_keys = sorted(ref_out) if isinstance(ref_out, dict) else sorted(vars(ref_out))
+            self.ctx.equal(f"{where} output fields", str(keys), str(ref_keys))
+        self.ctx.equal(f"{where} output dtype", str(first_tensor(out).dtype), str(first_tensor(ref_out).dtype))
+
+    def _check_reshard(self, where: str) -> None:
+        after_forward = self._resharded_after_forward()
+        for (index, _), numels in sorted(self.after_forward.items()):
+            setting = self.reshard_after_forward[index]
+            label = f"{where} after forward, call {index} reshard_after_forward={setting}"
+            self._numels(label, numels, after_forward[index])
+        for index in sorted(self.reached):  # a call backward never reached stays as forward left it
+            resharded = self.reshard_after_backward[index]
+            kept = after_forward[index] if self.config.groups[index].skips_backward_gather else False
+            self._numels(
+                f"{where} after backward, call {index} reshard_after_backward={resharded}",
+                self._own_numels(index),
+                True if resharded else kept,  # not gathered in backward: as forward left it
+            )
+
+    def _numels(self, label: str, numels: dict[str, int], resharded: bool | int) -> None:
+        """Each sharded param holds its shard (True), the whole param (False), or its chunk of a row
+        of ``k`` ranks (an int: cut on the placement's dim like torch.chunk; FSDP2 cuts dim 0, the
+        same numel wherever it can shard, as it shards dims other than 0 only evenly)."""
+        for path, held in numels.items():
+            plan = self.plans[path]
+            if plan.kind != "sharded":
+                continue
+            if type(resharded) is int:
+                _, place = self.meshes.shard_coordinate(plan.mesh)
+                shape = shard_shape(self.shapes[path], resharded, place % resharded, plan.dim)
+            else:
+                shape = self._expected_local(plan) if resharded else self.shapes[path]
+            want = torch.Size(shape).numel()
+            self.ctx.equal(f"{label}: {path} local numel", held, want)
+
+    def _check_collectives(self, where: str, rec: CollectiveRecorder, reduces: list[bool]) -> None:
+        param, _ = PRECISIONS[self.config.precision.name]
+        compute, reduce = self.reference.param_dtype, self.reference.reduce_dtype
+        gathers = {str(c.dtype) for c in rec.of("all_gather")}
+        self.ctx.true(f"{where} all-gather dtypes", gathers <= {str(compute)}, str(sorted(gathers)), str(compute))
+        reductions = rec.of("reduce_scatter") + [c for c in rec.of("all_reduce")]
+        dtypes = {str(c.dtype) for c in reductions}
+        self.ctx.true(f"{where} reduction dtypes", dtypes <= {str(reduce)}, str(sorted(dtypes)), str(reduce))
+        # a reduce-scatter over one rank is a copy an implementation may skip: only real ones count
+        scattered = sum(c.numel for c in rec.of("reduce_scatter") if c.group_size > 1)
+        label = f"{where} elements reduce-scattered (the trainable sharded params only)"
+        self.ctx.equal(label, scattered, self._scatter(reduces))
+        if not any(reduces):
+            self.ctx.equal(f"{where} all-reduces while held back", len(rec.of("all_reduce")), 0)
+
+    def _scatter(self, reduces: list[bool]) -> int:
+        """What this rank puts into the reduce-scatters of one backward that reduces: each trainable
+        sharded param padded to ceil(rows / ranks) rows, times the ranks of its shard group."""
+        total = 0
+        for plan in self.plans.values():
+            if plan.kind != "sharded" or plan.path not in self.reference.got_grad:  # frozen, or no grad
+                continue
+            if not reduces[plan.group]:  # held back
+                continue
+            size, _ = self.meshes.shard_coordinate(plan.mesh)
+            if size > 1:
+                total += size * torch.Size(shard_shape(self.shapes[plan.path], size, 0, plan.dim)).numel()
+        return total
+
+    def _check_grads(self, where: str) -> None:
+        params = dict(self.model.named_parameters())
+        masters = dict(self.reference.master.named_parameters())
+        total, ref_total = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        for path in self.plans:
+            grad, ref_grad = params[path].grad, masters[path].grad
+            if grad is None or ref_grad is None:
+                self.ctx.equal(f"{where} grad {path} present", grad is not None, ref_grad is not None)
+                continue
+            whole = full(grad)
+            self.ctx.close(f"{where} grad {path}", whole, ref_grad, self.tol.grad)
+            total += whole.double().square().sum()
+            ref_total += ref_grad.double().square().sum()
+        self.ctx.close(f"{where} grad norm", total.sqrt(), ref_total.sqrt(), self.tol.grad)
+
+    def _check_params(self, where: str) -> None:
+        masters = dict(self.reference.master.named_parameters())
+        for path, param in self.model.named_parameters():
+            self.ctx.close(f"{where} param {path}", full(param), masters[path], self.tol.grad)
+
+    def _state_dict_round_trip(self, where: str) -> None:
+        """A state dict taken now holds the sharded params (the reference's values); loading it
+        back raises nothing (the numbers after it show that it changed nothing)."""
+        self.model.load_state_dict(self._state_dict_check(where))
+
+    def _state_dict_check(self, where: str) -> dict[str, Any]:
+        """The model's state dict, checked: every param there, sharded (but the ignored ones), with
+        the reference's values."""
+        state = self.model.state_dict()
+        self.gathers.maybe_resharded()
+        masters = dict(self.reference.master.named_parameters())
+        for path, plan in self.plans.items():
+            value = state.get(path)
+            if value is None:
+                self.ctx.true(f"{where}: state dict holds {path}", False)
+                continue
+            if plan.kind != "ignored":
+                self.ctx.true(f"{where}: state dict {path} sharded", impl.is_sharded(value), type(value).__name__)
+            held = full(value).detach()
+            self.ctx.close(f"{where}: state dict {path} value", held, masters[path].detach(), self.tol.grad)
+        return state

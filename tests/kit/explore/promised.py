@@ -1,0 +1,218 @@
+"""What the API promises for one L4 configuration, computed without it: ``PromisedReference``, an
+unsharded copy of the model per rank that computes in the policy's compute dtype with the casts the
+API makes at every sharded module's boundary, keeps its local grads in the reduce dtype and reduces
+them itself, per param, over the process groups and with the reduce op the API promises for that
+param at that moment; ``param_plans`` (what each param is: sharded, replicated, ignored, and where)
+and ``Meshes`` (the configuration's meshes on this rank) beside it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from tests.kit.explore.grammar import build
+from tests.kit.explore.space import PRECISIONS, Config
+from tests.kit.judging.checks import CaseContext
+from tests.kit.judging.surface import impl
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HOOK_SCALE = 0.5  # the all-reduce hook L4 sets multiplies the reduced grads by this, in place (exact)
+
+
+def precision_row(config: Config) -> str:
+    """The precision-matrix row judging a configuration."""
+    param = PRECISIONS[config.precision.name][0]
+    if param == "bf16":
+        return "FSDP 1D bf16"
+    if param == "fp16":
+        return "FSDP 1D fp16"
+    return "HSDP 2D fp32" if config.hsdp else "FSDP 1D fp32"
+
+
+@dataclasses.dataclass
+class ParamPlan:
+    """What the API promises for one param of the model."""
+
+    path: str
+    group: int  # index of the fully_shard call that manages it (or names it ignored)
+    kind: str  # "sharded", "replicated" (whole on every rank), "ignored"
+    dim: int  # the sharded dim (sharded params)
+    mesh: str  # the group's mesh: "mesh", "shard", "flat"
+    trainable: bool
+
+
+def param_plans(config: Config, model: nn.Module) -> dict[str, ParamPlan]:
+    """Each param's group, placement and reduction, from the configuration (bottom-up calls: a
+    param belongs to the first call whose modules hold it)."""
+    plans: dict[str, ParamPlan] = {}
+    for index, group in enumerate(config.groups):
+        for path, param in model.named_parameters():
+            if path in plans or not any(p == "" or path.startswith(p + ".") for p in group.paths):
+                continue
+            placement = group.placements.get(path, "Shard(0)")
+            if path in group.ignored:
+                kind = "ignored"
+            elif path in group.replicated or placement == "Replicate()":
+                kind = "replicated"
+            else:
+                kind = "sharded"
+            dim = int(placement[6:-1]) if placement.startswith("Shard(") else 0
+            plans[path] = ParamPlan(path, index, kind, dim, group.mesh, param.requires_grad)
+    return plans
+
+
+class Meshes:
+    """The configuration's mesh and the sub-meshes its groups use, and their process groups."""
+
+    def __init__(self, ctx: CaseContext, config: Config) -> None:
+        self.config = config
+        self.rank = ctx.rank
+        if config.hsdp:
+            r, s = config.mesh
+            self.main = ctx.mesh_of(replicate=r, shard=s)
+        else:
+            self.main = ctx.mesh_of(dp=config.world)
+        self._ctx = ctx
+
+    def of(self, kind: str) -> Any:
+        if kind == "shard":
+            return impl.submesh(self.main, "shard")
+        if kind == "flat":
+            return self._ctx.mesh_of(flat=self.config.world)
+        return self.main
+
+    def shard_group(self, kind: str) -> Any:
+        """The process group a group on mesh ``kind`` shards over (and reduce-scatters over)."""
+        if kind == "flat":
+            return impl.process_group(self.of("flat"), "flat")
+        return impl.process_group(self.main, "shard" if self.config.hsdp else "dp")
+
+    def replicate_group(self, kind: str) -> Any:
+        """The group a 2-D mesh all-reduces over after the reduce-scatter (None on a 1-D mesh)."""
+        return impl.process_group(self.main, "replicate") if kind == "mesh" and self.config.hsdp else None
+
+    def shard_coordinate(self, kind: str) -> tuple[int, int]:
+        """(ranks sharded over, this rank's place among them)."""
+        if kind == "flat" or not self.config.hsdp:
+            return self.config.world, self.rank
+        return self.config.mesh[1], impl.local_rank(self.main, "shard")
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors anywhere in ``value`` (tuples, lists, dicts, dataclasses) cast to ``dtype``."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return type(value)(**{f.name: _cast(getattr(value, f.name), dtype) for f in dataclasses.fields(value)})
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
+
+
+class PromisedReference:
+    """What the API promises, computed without sharding (module docstring)."""
+
+    def __init__(self, config: Config, meshes: Meshes, plans: dict[str, ParamPlan]) -> None:
+        self.config = config
+        self.meshes = meshes
+        self.plans = plans
+        self.master = build(config)
+        if config.cast:  # the model under test is cast to float64 after sharding: its reference all along
+            self.master.double()
+        self.compute = copy.deepcopy(self.master)
+        param, reduce = PRECISIONS[config.precision.name]
+        self.param_dtype = torch.float64 if config.cast else DTYPES[param]
+        self.reduce_dtype = DTYPES[reduce] if reduce else self.param_dtype
+        self.output_dtype = DTYPES[config.precision.output] if config.precision.output else None
+        self.ops = ["avg"] * len(config.groups)  # the reduce op of each call's groups
+        self.all_reduce = [True] * len(config.groups)
+        self._held: dict[str, torch.Tensor] = {}
+        self.got_grad: set[str] = set()  # params whose grad the last backward computed
+        for group in config.groups:
+            for path in group.paths:
+                module = self.compute.get_submodule(path) if path else self.compute
+                module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
+                module.register_forward_hook(self._cast_outputs)
+
+    def _cast_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not self.config.precision.cast_inputs or PRECISIONS[self.config.precision.name][0] == "fp32":
+            return args, kwargs
+        return _cast(args, self.param_dtype), _cast(kwargs, self.param_dtype)
+
+    def _cast_outputs(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return _cast(output, self.output_dtype) if self.output_dtype is not None else output
+
+    def forward(self, args: tuple, kwargs: dict, method: str = "forward") -> Any:
+        """The forward of this rank's micro-batch on the compute copy (the masters' current values,
+        managed params in the compute dtype, ignored ones as they are); another ``method`` of the
+        root gets the root's casts as its forward does (what register_fsdp_forward_method promises)."""
+        computed = dict(self.compute.named_parameters())
+        with torch.no_grad():
+            for path, master in self.master.named_parameters():
+                target = computed[path]
+                dtype = master.dtype if self.plans[path].kind == "ignored" else self.param_dtype
+                target.data = master.detach().to(dtype).clone()
+        if method == "forward":
+            return self.compute(*args, **kwargs)
+        args, kwargs = self._cast_inputs(self.compute, args, kwargs)
+        return self._cast_outputs(self.compute, args, getattr(self.compute, method)(*args, **kwargs))
+
+    def after_backward(self, reduces: list[bool]) -> None:
+        """Take this backward's grads: ignored params keep theirs locally; the others accumulate in
+        the reduce dtype and, when the implementation reduces at this backward, are reduced as
+        promised and added to the fp32 master grads."""
+        masters = dict(self.master.named_parameters())
+        self.got_grad = set()
+        for path, param in self.compute.named_parameters():
+            if param.grad is None:
+                continue
+            self.got_grad.add(path)
+            grad, param.grad = param.grad, None
+            plan = self.plans[path]
+            master = masters[path]
+            if plan.kind == "ignored":
+                master.grad = grad.to(master.dtype) if master.grad is None else master.grad + grad.to(master.dtype)
+                continue
+            held = grad.to(self.reduce_dtype)
+            if path in self._held:
+                held = self._held.pop(path) + held
+            if not reduces[plan.group]:
+                self._held[path] = held
+                continue
+            reduced = self._reduce(held, plan).to(master.dtype)
+            master.grad = reduced if master.grad is None else master.grad + reduced
+
+    def _reduce(self, grad: torch.Tensor, plan: ParamPlan) -> torch.Tensor:
+        """The reduction promised for one param: the sum over its ranks divided by the call's divide
+        factor where set (else the op's mean or sum), then the all-reduce hook (where the reduction
+        ends in the all-reduce: not on a 2-D mesh with the all-reduce off), then the scaling factor."""
+        group = self.config.groups[plan.group]
+        op = dist.ReduceOp.AVG if self.ops[plan.group] == "avg" else dist.ReduceOp.SUM
+        grad = grad.contiguous()
+        if group.divide_factor is not None:
+            op = dist.ReduceOp.SUM
+            grad = grad * (1.0 / group.divide_factor)
+        dist.all_reduce(grad, op=op, group=self.meshes.shard_group(plan.mesh))
+        replicas = self.meshes.replicate_group(plan.mesh)
+        if replicas is not None and self.all_reduce[plan.group]:
+            dist.all_reduce(grad, op=op, group=replicas)
+        if group.hook and (replicas is None or self.all_reduce[plan.group]):
+            grad = grad * HOOK_SCALE
+        if group.scaling_factor is not None:
+            grad = grad * group.scaling_factor
+        return grad
+
+    def master_dtype(self, path: str) -> torch.dtype:
+        """The dtype the sharded param ``path`` is promised to have (its master's)."""
+        return self.master.get_parameter(path).dtype
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        self._held.clear()
+        for param in self.master.parameters():
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.zero_()

@@ -1,0 +1,177 @@
+"""Adapter of torch FSDP2 (``torch.distributed.fsdp.fully_shard``) to the HyperParallel API.
+
+Translations only: the HyperParallel keywords FSDP2 does not have are refused with
+``NotImplementedError`` naming them (``replicate_params``, ``comm_fusion=False``, ``device``,
+``apply_grad_on_fp32_main_grad``, a ``Replicate()`` from ``shard_placement_fn``), and
+``set_reduce_op_type`` maps to FSDP2's gradient divide factor (``"sum"``: 1, ``"avg"``: the
+data-parallel world size, FSDP2's default) with sum-only collectives (gloo has no PREMUL_SUM).
+
+Features FSDP2 lacks are left out of ``features``: independent groups from a list input,
+replicated params, switching comm fusion off, fp32 main grads, ``Replicate()`` placements,
+``zero_grad`` of locally accumulated (unsynced) grads, and ``set_requires_all_reduce(False)`` as
+the plan means it (HSDP grads reduce-scattered within the replica group and usable as they are:
+FSDP2 instead holds the partial result back and leaves ``.grad`` unset until an all-reducing
+backward, a gradient-accumulation device), uneven shards on dims other than 0 (FSDP2 refuses them),
+and refusing every bad argument before any change
+(FSDP2 checks some, not all: ``CPUOffloadPolicy(pin_memory="yes")`` is accepted), and
+``set_gradient_scaling_factor`` (upstream HyperParallel's own). On a gloo process group it also
+lacks ``set_gradient_divide_factor`` without force-sum (see ``LACKING_ON_GLOO``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import fsdp
+from torch.distributed.tensor import Replicate, Shard
+
+from tests.kit.judging.surface import FEATURES, Implementation, Spec
+from tests.kit.runtime.devices import CPU_BACKEND, choose
+
+LACKING = {
+    "list_input",
+    "replicate_params",
+    "comm_fusion",
+    "main_grad",
+    "placement_replicate",
+    "zero_grad",
+    "all_reduce_control",
+    "argument_checks",
+    "uneven_other_dims",
+    "gradient_scaling_factor",
+}
+# Lacking on a gloo process group: FSDP2's set_gradient_divide_factor(f) without force-sum reduces
+# with ReduceOp.PREMUL_SUM(1/f) (_fsdp_collectives._get_gradient_divide_factors, any f but the shard
+# group's size), which gloo refuses: "Cannot use ReduceOp.PREMUL_SUM with Gloo". With force-sum it
+# works (sum, then a division): the set_reduce_op_type shim below relies on that.
+LACKING_ON_GLOO = {"gradient_divide_factor"}
+# Defects of torch FSDP2 2.13 that L4 found (its replays are in tests/kit/explore/regressions/, where
+# ours passes them): L4 leaves these combinations out, so a run judges the rest.
+KNOWN_DEFECTS = {
+    frozenset({"reshard_int", "shard_placement_fn"}): "reshard_after_forward=k (1 < k < shard size) on a "
+    "param placed Shard(d>0): backward raises IndexError in foreach_all_gather_copy_out "
+    "(_fsdp_collectives.py: post_param_size[shard_dim] on the post-forward shard) (replay aabae36b93)",
+    frozenset({"last_backward"}): "after a backward under set_is_last_backward(False) the post-forward order "
+    "is kept, so the next backward's implicit prefetch follows a stale entry and all-gathers a module "
+    "it has just resharded: a wasted all-gather, and that module left unsharded (replay b65534cf62)",
+    frozenset({"unshard_across_step"}): "an async unshard issued before the optimizer step copies the shards at "
+    "issue: waited after the step, the module computes with the params before the step (no guard; L1-01's "
+    "extra check; replay 2649083d4e)",
+}
+
+
+def _backend() -> str:
+    """The backend of this process group, or the one the kit would choose here before there is one."""
+    return dist.get_backend() if dist.is_initialized() else choose(None, 1)[1]
+
+
+def MixedPrecisionPolicy(  # noqa: N802 - the API's class name
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    output_dtype: torch.dtype | None = None,
+    cast_forward_inputs: bool = True,
+    apply_grad_on_fp32_main_grad: bool = False,
+) -> fsdp.MixedPrecisionPolicy:
+    """FSDP2's policy; the fp32 main grad is HyperParallel's own, refused."""
+    if apply_grad_on_fp32_main_grad:
+        raise NotImplementedError("MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True): FSDP2 has no main grad")
+    return fsdp.MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype, cast_forward_inputs)
+
+
+def _refuse_replicate(fn: Callable[[nn.Parameter], Any] | None) -> Callable[[nn.Parameter], Any] | None:
+    """The user's placement fn, refusing ``Replicate()`` (FSDP2 places every param with Shard)."""
+    if fn is None:
+        return None
+
+    def placement(param: nn.Parameter) -> Any:
+        chosen = fn(param)
+        if isinstance(chosen, Replicate):
+            raise NotImplementedError("shard_placement_fn returning Replicate(): FSDP2 shards every param")
+        return chosen
+
+    return placement
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: Any = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: fsdp.MixedPrecisionPolicy | None = None,
+    offload_policy: fsdp.OffloadPolicy | None = None,
+    ignored_params: Iterable[nn.Parameter] | None = None,
+    replicate_params: Iterable[nn.Parameter] | None = None,
+    comm_fusion: bool = True,
+    device: Any = None,
+) -> Any:
+    """HyperParallel's signature onto FSDP2's ``fully_shard``."""
+    if replicate_params:
+        raise NotImplementedError("fully_shard(replicate_params=...): FSDP2 has no replicated params")
+    if comm_fusion is not True:
+        raise NotImplementedError("fully_shard(comm_fusion=False): FSDP2 always fuses a group's collectives")
+    if device is not None:
+        raise NotImplementedError("fully_shard(device=...): FSDP2 takes the device from the mesh")
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError("fully_shard([modules]) as independent groups: FSDP2 makes one group of a list")
+    return fsdp.fully_shard(
+        module,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=_refuse_replicate(shard_placement_fn),
+        mp_policy=mp_policy or fsdp.MixedPrecisionPolicy(),
+        offload_policy=offload_policy or fsdp.OffloadPolicy(),
+        ignored_params=set(ignored_params) if ignored_params is not None else None,
+    )
+
+
+def _set_reduce_op_type(self: fsdp.FSDPModule, reduce_op_type: str, *, recurse: bool = True) -> None:
+    """``"avg"``: FSDP2's own averaging (its default, no divide factor); ``"sum"``: a divide factor
+    of 1 with sum-only collectives (gloo has no PREMUL_SUM), on every group below (or this one).
+
+    Not a factor of the world size for "avg": torch 2.13's FSDP2 divides by a custom factor twice on
+    an HSDP mesh whose shard dim has one rank (the copy that stands in for the reduce-scatter divides,
+    and so does the post-divide after the all-reduce): found by L4, see the README."""
+    if reduce_op_type not in ("sum", "avg"):
+        raise ValueError(f"reduce_op_type must be 'sum' or 'avg', got {reduce_op_type!r}")
+    modules = self.modules() if recurse else [self]
+    for module in modules:
+        if isinstance(module, fsdp.FSDPModule):
+            module.set_gradient_divide_factor(1.0 if reduce_op_type == "sum" else None)
+            module.set_force_sum_reduction_for_comms(reduce_op_type == "sum")
+
+
+class TorchFSDP2(Implementation):
+    """torch FSDP2 behind the HyperParallel names; torch's mesh and tensor types."""
+
+    name = "torch-fsdp2"
+    known_defects = KNOWN_DEFECTS
+    Shard = Shard
+    Replicate = Replicate
+
+    def __init__(self, spec: Spec) -> None:
+        super().__init__(spec, fsdp)
+        self.fully_shard = fully_shard
+        self.HSDPModule = fsdp.FSDPModule
+        self.MixedPrecisionPolicy = MixedPrecisionPolicy
+        self.OffloadPolicy = fsdp.OffloadPolicy
+        self.CPUOffloadPolicy = fsdp.CPUOffloadPolicy
+        self.register_fsdp_forward_method = fsdp.register_fsdp_forward_method
+        self.share_comm_ctx = fsdp.share_comm_ctx
+        if not hasattr(fsdp.FSDPModule, "set_reduce_op_type"):
+            fsdp.FSDPModule.set_reduce_op_type = _set_reduce_op_type
+
+    @property
+    def features(self) -> frozenset[str]:
+        """All but ``LACKING``, and on gloo but ``LACKING_ON_GLOO`` too."""
+        lacking = LACKING | (LACKING_ON_GLOO if _backend() == CPU_BACKEND else set())
+        return frozenset(FEATURES) - lacking
+
+
+def load(spec: Spec) -> TorchFSDP2:
+    """torch FSDP2 of the installed torch."""
+    return TorchFSDP2(spec)
