@@ -133,12 +133,27 @@ def test_the_covering_phase_holds_every_pair_of_features_its_pool_holds(tmp_path
     first = pairs.covering(ALL, 4)
     possible = len(first.feature_pairs)
     assert first.measure(first.configs)["feature pairs"] == (possible, possible)
-    drawn = pairs._pool(ALL, 4, 1, ())[: len(first.configs)]
+    drawn = pairs._pool(ALL, 4, 1, (), pairs.COVER_SEED)[: len(first.configs)]
     assert first.measure(drawn)["feature pairs"][0] < possible, "as many random draws hold them all"
     assert pairs.covering(ALL, 4).configs == first.configs  # from the cache
     for cached in tmp_path.iterdir():
         cached.unlink()
     assert pairs.covering(ALL, 4).configs == first.configs  # drawn again
+
+
+def test_an_interplay_the_features_allow_counts_where_no_pool_holds_it(tmp_path, monkeypatch):
+    """The interplays' "possible" comes from the declared features, not from what a pool happens to
+    hold: one no configuration can carry stays possible and uncovered after the extra pools."""
+    from tests.kit.explore import pairs
+
+    monkeypatch.setattr(pairs, "POOL", 40)
+    monkeypatch.setattr(pairs, "EXTRA_POOLS", 1)
+    monkeypatch.setattr(pairs, "CACHE", tmp_path)
+    monkeypatch.setitem(pairs.INTERPLAY_NEEDS, "never drawn", (frozenset({"recurse_false"}), 1))
+    found = pairs.covering(ALL, 4)
+    covered, possible = found.measure(found.configs)["interplays"]
+    assert "never drawn" in found.interplays and possible == len(pairs.possible_interplays(ALL, 4))
+    assert covered < possible
 
 
 def test_an_exploration_says_which_pairs_it_reached(tmp_path, monkeypatch):

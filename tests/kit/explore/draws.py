@@ -231,10 +231,12 @@ def reduce_controls(draw: Any, group: Group, features: frozenset[str]) -> None:
     """FSDP2's reduction controls of one call, each drawn where declared (one call in five)."""
     if "gradient_divide_factor" in features and one_in(draw, 5):
         group.divide_factor = draw(st.sampled_from((1.0, 2.0, 3.0)))
+        group.divide_alias = one_in(draw, 3)  # FSDP2's deprecated spelling, the same promise
     if "force_sum_reduction" in features and one_in(draw, 5):
         group.force_sum = True
     if "gradient_scaling_factor" in features and one_in(draw, 5):
         group.scaling_factor = draw(st.sampled_from((0.5, 2.0)))
+        group.scaling_tensor = one_in(draw, 2)  # a number or a 1-element tensor, both accepted
     if "all_reduce_hook" in features and one_in(draw, 5):
         group.hook = True
 

@@ -28,6 +28,7 @@ taken at any point holds the sharded params, and loading it back changes nothing
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
@@ -125,12 +126,21 @@ class Example(Invariants, Timing):
 
     def _set_controls(self, module: Any, group: Group) -> None:
         """The call's own reduction and backward controls (FSDP2's setters act on one module)."""
-        if group.divide_factor is not None:
+        if group.divide_factor is not None and group.divide_alias:
+            with warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter("always")
+                module.set_reduce_scatter_divide_factor(group.divide_factor)
+            deprecated = any(issubclass(w.category, (DeprecationWarning, FutureWarning)) for w in warned)
+            self.ctx.true("set_reduce_scatter_divide_factor warns that it is deprecated", deprecated)
+        elif group.divide_factor is not None:
             module.set_gradient_divide_factor(group.divide_factor)
         if group.force_sum:
             module.set_force_sum_reduction_for_comms(True)
         if group.scaling_factor is not None:
-            module.set_gradient_scaling_factor(group.scaling_factor)
+            factor = group.scaling_factor
+            module.set_gradient_scaling_factor(
+                torch.tensor(factor, device=compute_device()) if group.scaling_tensor else factor
+            )
         if group.hook:
             module.set_all_reduce_hook(lambda reduced: reduced.mul_(HOOK_SCALE))
         if not group.unshard_in_backward:

@@ -63,8 +63,10 @@ class Group:
     mesh: str = "mesh"  # "mesh": the config's; "shard": its shard dim (HSDP); "flat": 1-D over all ranks
     # the HSDPModule controls of the call's own modules, set once after sharding (FSDP2's are per module)
     divide_factor: float | None = None  # set_gradient_divide_factor: reduced grads = sum / factor
+    divide_alias: bool = False  # the factor set through the deprecated set_reduce_scatter_divide_factor
     force_sum: bool = False  # set_force_sum_reduction_for_comms(True)
     scaling_factor: float | None = None  # set_gradient_scaling_factor: reduced grads times it
+    scaling_tensor: bool = False  # the scaling factor passed as a 1-element tensor
     hook: bool = False  # set_all_reduce_hook(halving the reduced grads in place)
     unshard_in_backward: bool = True  # set_unshard_in_backward (False only where backward needs no param)
     undone: bool = False  # force-sum and unshard_in_backward set back (False / True) after being set
