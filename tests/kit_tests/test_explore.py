@@ -129,6 +129,7 @@ def test_the_covering_phase_holds_every_pair_of_features_its_pool_holds(tmp_path
     from tests.kit.explore import pairs
 
     monkeypatch.setattr(pairs, "POOL", 80)
+    monkeypatch.setattr(pairs, "EXTRA_POOLS", 0)  # pairs of features here; interplays in the next test
     monkeypatch.setattr(pairs, "CACHE", tmp_path)
     first = pairs.covering(ALL, 4)
     possible = len(first.feature_pairs)

@@ -40,7 +40,7 @@ COVER_SEED = 0  # the pool's seed: the same covering configurations whatever the
 CACHE = Path(__file__).resolve().parents[3] / "runs" / "l4" / "cover"
 
 Pair = tuple[str, str]
-EXTRA_POOLS = 4  # more pools drawn (from the next seeds) while an interplay the features allow is missing
+EXTRA_POOLS = 4  # more pools of POOL // 4 drawn (from the next seeds) while an allowed interplay is missing
 # what each interplay needs declared (and the fewest ranks): the possible ones are counted whether or
 # not a pool happens to hold them, so a change of the draws cannot hide one
 INTERPLAY_NEEDS: dict[str, tuple[frozenset[str], int]] = {
@@ -159,7 +159,7 @@ def covering(
     for extra in range(1, EXTRA_POOLS + 1):
         if possible <= set().union(*map(interplays, pool)):
             break
-        pool += _pool(features, max_world, min_world, avoid, COVER_SEED + extra)
+        pool += _pool(features, max_world, min_world, avoid, COVER_SEED + extra, POOL // 4)
     chosen = _greedy(pool)
     found = Covering(
         chosen,
@@ -192,6 +192,7 @@ def _key(features: frozenset[str], max_world: int, min_world: int, avoid: tuple[
             POOL,
             COVER_SEED,
             EXTRA_POOLS,
+            POOL // 4,
             sorted((name, sorted(needs), world) for name, (needs, world) in INTERPLAY_NEEDS.items()),
             source,
         ]
@@ -210,13 +211,18 @@ def _load(path: Path) -> Covering:
 
 
 def _pool(
-    features: frozenset[str], max_world: int, min_world: int, avoid: tuple[frozenset[str], ...], seed: int
+    features: frozenset[str],
+    max_world: int,
+    min_world: int,
+    avoid: tuple[frozenset[str], ...],
+    seed: int,
+    size: int | None = None,
 ) -> list[Config]:
-    """``POOL`` configurations drawn from ``seed`` (none run)."""
+    """``size`` configurations (``POOL`` by default) drawn from ``seed`` (none run)."""
     pool: list[Config] = []
 
     @settings(
-        max_examples=POOL,
+        max_examples=size or POOL,
         database=None,
         deadline=None,
         phases=(Phase.generate,),
