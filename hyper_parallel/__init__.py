@@ -7,6 +7,7 @@ from hyper_parallel.core.fully_shard.api import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
+from hyper_parallel.core.fully_shard.errors import FullyShardMisuse
 from hyper_parallel.core.fully_shard.utils import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -22,4 +23,5 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "FullyShardMisuse",
 ]

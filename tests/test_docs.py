@@ -14,6 +14,9 @@ Checked in ``docs/*.md`` and ``README.md``:
 - links and images: relative to the file that holds them (what a Markdown viewer does), and a
   ``#fragment`` must be a heading of the target page.
 
+README.md is the front page: it links every ``docs/*.md`` page (outside code) and has at most
+``README_MAX_LINES`` lines; the rest of what a reader needs lives on those pages.
+
 Not checked: URLs, absolute paths (``/path/to/hyper-parallel``), anything under ``runs/`` (the
 sweep's output), and tokens with placeholder or wildcard characters (``<ts>``, ``{level}``,
 ``*``, ``=``). No cluster is started: the catalogue is compared by importing the plan files.
@@ -33,7 +36,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-DOC_FILES = [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]
+README = ROOT / "README.md"
+DOC_FILES = [*sorted(DOCS.glob("*.md")), README]
+README_MAX_LINES = 130
 EXTENSIONS = (".py", ".md", ".ipynb", ".svg", ".json", ".cfg", ".toml", ".yml", ".yaml", ".txt", ".html", ".log")
 NOT_IN_REPO = {".git", "runs", "build", "__pycache__", ".pytest_cache", ".ruff_cache", ".ipynb_checkpoints"}
 PLACEHOLDER = re.compile(r"[<>{}*?$|=\[\]~]")
@@ -181,6 +186,24 @@ def link_problem(target: str, doc: Path) -> str | None:
     return None
 
 
+def _blank_code_spans(prose: str) -> str:
+    """``prose`` with every code span blanked, keeping line numbers and offsets."""
+    return CODE_SPAN.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), prose)
+
+
+def linked_files(text: str, doc: Path) -> set[Path]:
+    """The files the links of ``doc`` (whose contents are ``text``) lead to, outside code."""
+    prose, _ = split_fences(text)
+    targets = (match.group(1).partition("#")[0] for match in LINK.finditer(_blank_code_spans(prose)))
+    return {(doc.parent / target).resolve() for target in targets if target and "://" not in target}
+
+
+def unlinked_pages(readme_text: str) -> list[str]:
+    """The ``docs/*.md`` pages the front page (``readme_text``, as README.md) does not link."""
+    linked = linked_files(readme_text, README)
+    return [page.name for page in sorted(DOCS.glob("*.md")) if page.resolve() not in linked]
+
+
 def problems(text: str, doc: Path) -> list[str]:
     """Every name in ``text`` (the contents of ``doc``) that points at nothing."""
     where = doc.relative_to(ROOT).as_posix() if doc.is_relative_to(ROOT) else doc.name
@@ -199,7 +222,7 @@ def problems(text: str, doc: Path) -> list[str]:
             why = token_problem(token, fenced=True)
             if why:
                 found.append(f"{where}:{line}: {token} (code block): {why}")
-    outside_code = CODE_SPAN.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), prose)
+    outside_code = _blank_code_spans(prose)
     for match in LINK.finditer(outside_code):
         why = link_problem(match.group(1), doc)
         if why:
@@ -213,6 +236,30 @@ def test_every_named_path_exists(doc: Path) -> None:
     """Each path, module name and link of the page exists in the repository."""
     found = problems(doc.read_text(), doc)
     assert not found, "names that point at nothing:\n" + "\n".join(found)
+
+
+def test_the_front_page_links_every_docs_page() -> None:
+    """README.md links each page of docs/, so a reader who starts there can reach all of them."""
+    missing = unlinked_pages(README.read_text())
+    assert not missing, f"README.md links no {', '.join(missing)}: add a line for each under 'Where to read more'"
+
+
+def test_the_front_page_is_short() -> None:
+    """README.md stays a front page: details go to a docs/ page it links."""
+    count = len(README.read_text().splitlines())
+    assert count <= README_MAX_LINES, (
+        f"README.md has {count} lines (at most {README_MAX_LINES}): move details to a page under docs/"
+    )
+
+
+def test_an_unlinked_page_is_caught() -> None:
+    """A page linked only inside code, or by a wrong name, counts as unlinked; a #fragment still links."""
+    first, *rest = sorted(DOCS.glob("*.md"))
+    text = "\n".join(f"- [{page.stem}](docs/{page.name}#a-heading)" for page in rest)
+    text += f"\n`[{first.stem}](docs/{first.name})` and [{first.stem}](docs/{first.stem}.txt)\n"
+    text += f"```\n[{first.stem}](docs/{first.name})\n```\n"
+    assert unlinked_pages(text) == [first.name]
+    assert unlinked_pages(text + f"[{first.stem}](docs/{first.name})\n") == []
 
 
 def test_the_docs_are_there() -> None:

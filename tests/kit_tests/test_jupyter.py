@@ -1,9 +1,9 @@
-"""The README's debugging walk-through, as written, in a kernel of a real JupyterLab.
+"""The debugging walk-through of docs/notebooks_and_sweep.md, as written, in a kernel of a real JupyterLab.
 
-JupyterLab starts headless on a loopback port with the README's command; the test opens the
+JupyterLab starts headless on a loopback port with the walk-through's command; the test opens the
 notebook through the server's contents API, starts a session on the notebook's kernel, sets
 ``cases = "L1-03"`` in the parameters cell, runs every cell over the server's kernel websocket
-(as the browser does), then runs the README's code blocks, in order, and checks what they print.
+(as the browser does), then runs the walk-through's code blocks, in order, and checks what they print.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import pytest
 from tests.kit.runtime.engines import still_running
 
 ROOT = Path(__file__).resolve().parents[2]
+WALKTHROUGH = ROOT / "docs" / "notebooks_and_sweep.md"  # README.md links it and has the short version
 BIN = Path(sys.executable).parent
 START_TIMEOUT_S = 90
 CELL_TIMEOUT_S = 300
@@ -37,9 +38,9 @@ GONE_TIMEOUT_S = 30
 
 
 def walkthrough() -> tuple[str, list[str]]:
-    """The README's debugging section: its JupyterLab command and its code blocks, in order."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("### Debugging a failing rank in Jupyter", 1)[1].split("\n### ", 1)[0]
+    """The debugging section of docs/notebooks_and_sweep.md: its JupyterLab command and its code blocks, in order."""
+    text = WALKTHROUGH.read_text()
+    section = text.split("\n## Debugging a failing rank in Jupyter\n", 1)[1].split("\n## ", 1)[0]
     command = re.search(r"`(jupyter lab [^`]+)`", section).group(1)
     blocks = [textwrap.dedent(b).strip() for b in re.findall(r"```python\n(.*?)```", section, re.S)]
     return command, blocks
@@ -55,7 +56,7 @@ class Lab:
     """A headless JupyterLab on a loopback port: REST calls and code run in one kernel over its websocket."""
 
     def __init__(self, command: str, runtime: Path) -> None:
-        """Start ``command`` (the README's) headless, from the repository root; bounded wait until it serves."""
+        """Start ``command`` (the walk-through's) headless, from the repository root; bounded wait until it serves."""
         self.port = _free_port()
         self.token = secrets.token_hex(16)
         argv = command.split()
@@ -68,7 +69,7 @@ class Lab:
             f"--IdentityProvider.token={self.token}",
             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
         ]
-        if os.geteuid() == 0:  # as the README says (CI runs as root)
+        if os.geteuid() == 0:  # as the walk-through says (CI runs as root)
             argv.append("--allow-root")
         env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(runtime), "IPP_NONINTERACTIVE": "1"}
         env.pop("HPKIT_IMPLEMENTATION", None)
@@ -175,7 +176,7 @@ async def _run_cells(lab: Lab, kernel_id: str, cells: list[str]) -> list[dict[st
 
 
 @pytest.mark.timeout(1200)
-def test_the_readme_debugging_walkthrough_in_jupyterlab(tmp_path):
+def test_the_debugging_walkthrough_in_jupyterlab(tmp_path):
     command, blocks = walkthrough()
     assert command == "jupyter lab notebooks/L1_interface.ipynb"
     assert (BIN / "jupyter-lab").exists(), "JupyterLab is not installed in this environment (make setup)"

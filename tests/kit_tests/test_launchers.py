@@ -6,8 +6,9 @@
   file as ``ipengine --file`` does on another machine, two of them saying they are on two machines
   (``HPKIT_NODE``): each rank binds to the device of its host-local index.
 
-Each cluster runs L1-03 and L2-02 through papermill with ``cluster_id`` / ``profile`` (the README's
-multi-machine recipe), then is stopped; no process of it is left behind.
+Each cluster runs L1-03 and L2-02 through papermill with ``cluster_id`` / ``profile`` (the
+multi-machine recipe of docs/multi_host_and_accelerators.md), then is stopped; no process of it is
+left behind.
 """
 
 from __future__ import annotations

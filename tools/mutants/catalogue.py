@@ -436,8 +436,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "pipeline microbatches",
         "a backward does not list the groups it reaches: after a pipeline's first backward, a group "
         "finished only at the end of backward is never reduced",
-        "        ITERATION.states_in_iteration[self] = None\n        ITERATION.queue_final_callback()\n",
-        "        ITERATION.queue_final_callback()\n",
+        "        self.iteration.states_in_iteration[self] = None\n        self.iteration.queue_final_callback()\n",
+        "        self.iteration.queue_final_callback()\n",
     ),
     Mutant(
         "45",

@@ -27,13 +27,13 @@ from hyper_parallel.platform.torch.fully_shard.mesh_info import (
 from hyper_parallel.platform.torch.fully_shard.param import HSDPParam, ModuleSlot
 from hyper_parallel.platform.torch.fully_shard.param_group import HSDPParamGroup, UnshardHandle
 from hyper_parallel.platform.torch.fully_shard.state import (
-    ITERATION,
     STATE_ATTR,
     HSDPState,
     forward_method,
     state_of,
 )
 
+from .errors import FullyShardMisuse
 from .utils import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["fully_shard", "HSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
@@ -56,6 +56,14 @@ class HSDPModule:
         module = original.__new__(original)
         module.__init__(*args, **kwargs)
         return module
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
+        """Refused, as FSDP2 refuses it: the copy would share this module's groups and hooks. Copy the
+        model before ``fully_shard`` (and shard the copy: a second root), or use its state dict."""
+        raise FullyShardMisuse(
+            f"{type(self).__name__}: HSDP/FSDP does not support deepcopy of a module given to fully_shard; "
+            "deep-copy the model before fully_shard, or use its state dict"
+        )
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
         """``to`` / ``to_empty`` / ``double`` / ...: applied to the sharded params (resharded first), then
@@ -204,7 +212,7 @@ class HSDPModule:
             raise RuntimeError("reset_iter_state must be called on the root module (the one forward starts at)")
         for group in self._groups():
             group.discard_iteration()
-        ITERATION.forget()
+        state_of(self).iteration.forget()
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """Refused: the all-gather's buffers are this engine's (flat, padded per param)."""
@@ -372,7 +380,15 @@ def _check_modules(module: object) -> list[nn.Module]:
         if not isinstance(m, nn.Module):
             raise TypeError(f"module must be an nn.Module or a list of them, got {type(m).__name__}")
         if state_of(m) is not None:
-            raise ValueError(f"module {type(m).__name__} was already given to fully_shard")
+            raise FullyShardMisuse(
+                f"module: {type(m).__name__} was already given to fully_shard (Each distinct composable "
+                "distributed API can only be applied to a module once.)"
+            )
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            raise ValueError(
+                f"module: fully_shard does not support containers that do not implement forward "
+                f"({type(m).__name__} has no forward to hook); shard its modules, or a list of them"
+            )
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError("module lists the same module twice")
     return modules
@@ -384,7 +400,15 @@ def _check_mesh(mesh: object) -> DeviceMesh:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
-        raise ValueError(f"mesh must be 1-D (FSDP) or 2-D (HSDP: replicate, shard), got {mesh.ndim}-D")
+        raise ValueError(
+            f"mesh: fully_shard expects a 1D or 2D DeviceMesh but got {mesh} ({mesh.ndim}-D; "
+            "1-D: FSDP, 2-D: HSDP over (replicate, shard))"
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise FullyShardMisuse(
+            "mesh: Please init the 2D mesh for HSDP with mesh_dim_names specified "
+            "(init_device_mesh(..., mesh_dim_names=('replicate', 'shard')))"
+        )
     return mesh
 
 
@@ -464,6 +488,7 @@ def _plan_module(
                 f"parameter {name!r} of {type(owner).__name__} is tied to a parameter of a "
                 "module already given to fully_shard; shard their common parent instead"
             )
+        _check_shardable(name, param, id(param) in replicated)
         if isinstance(param, DTensor):
             _check_tensor_parallel_param(name, param, mesh)
         if id(param) not in plan.slots:
@@ -479,6 +504,21 @@ def _plan_module(
                     f"fp32 main grad), got a {param.dtype} param of shape {tuple(param.shape)}"
                 )
     return plan
+
+
+def _check_shardable(name: str, param: nn.Parameter, is_replicated: bool) -> None:
+    """Refuse what FSDP2 refuses to shard: a scalar (no dim to shard; one named in
+    ``replicate_params`` is kept whole instead) and a non-contiguous param (channels-last)."""
+    if param.ndim == 0 and not is_replicated:
+        raise ValueError(
+            f"parameter {name!r} is a scalar and fully_shard doesn't support scalar parameters: "
+            f"Change {name} to a 1D tensor with numel equal to 1., or name it in replicate_params"
+        )
+    if not param.is_contiguous():
+        raise NotImplementedError(
+            f"parameter {name!r}: HSDP/FSDP does not support non-contiguous parameters yet (shape "
+            f"{tuple(param.shape)}, stride {param.stride()}); make it contiguous before fully_shard"
+        )
 
 
 def _check_tensor_parallel_param(name: str, param: DTensor, mesh: DeviceMesh) -> None:
@@ -546,9 +586,9 @@ def _placement_of(
         )
     if isinstance(placement, Shard) and type(placement) is Shard:
         if not -param.ndim <= placement.dim < max(param.ndim, 1) or param.ndim == 0:
-            raise ValueError(
+            raise FullyShardMisuse(
                 f"shard_placement_fn returned Shard({placement.dim}) for {name!r} of shape "
-                f"{tuple(param.shape)}: dim out of range"
+                f"{tuple(param.shape)}: Shard dim {placement.dim} is invalid for {param.ndim}D tensor"
             )
         return Shard(placement.dim % param.ndim)
     raise ValueError(f"shard_placement_fn must return Shard(dim), Replicate() or None, got {placement!r} for {name!r}")

@@ -284,6 +284,39 @@ class HSDPParam:
         self._init_unsharded(self.sharded_param)
         self._gathered_version = (-1, -1)
 
+    def adopt_registered(self) -> None:
+        """A param registered in this param's place after ``fully_shard`` (a weight computed from others
+        once they are materialised, say) becomes this param's sharded param, as in FSDP2's lazy init:
+        the user's object is what the module, its state dict and an optimizer built after the
+        assignment hold. A DTensor laid out as this param's shard is taken as it is; a plain tensor
+        of the param's full shape is cut to this rank's shard and turned into that DTensor in place."""
+        module, name = self.slots[0]
+        current = module._parameters.get(name)
+        if current is None or current is self.sharded_param or current is getattr(self, "unsharded_param", None):
+            return
+        if isinstance(current, DTensor) and (
+            current.device_mesh != self.sharded_mesh or tuple(current.placements) != tuple(self.placements)
+        ):
+            return  # not laid out as this param's shard (tensor parallel's, or another mesh's): left alone
+        if current.shape != self.global_shape:
+            raise ValueError(
+                f"parameter {name!r} of {type(module).__name__} was registered again with shape "
+                f"{tuple(current.shape)}; fully_shard sharded it with shape {tuple(self.global_shape)}"
+            )
+        if not isinstance(current, DTensor):
+            with torch.no_grad():
+                src = current.detach()
+                if not self.is_replicated:
+                    rank = self.mesh_info.shard_rank
+                    start = min(rank * self.chunk, self.full_shape[self.dim])
+                    src = src.narrow(self.dim, start, self.rows_of(rank))
+                local = src.to(self.shard_device, memory_format=torch.contiguous_format, copy=True)
+            fresh = nn.Parameter(self._global_view(local, self.sharded_mesh, self.placements), current.requires_grad)
+            torch.utils.swap_tensors(current, fresh)  # the user's object, now the sharded DTensor
+        self.sharded_param = current
+        self.refresh_after_apply()  # the offload policy, dtypes and the unsharded copy follow it
+        self.use_sharded()
+
     # -- unsharded side -------------------------------------------------------------------
     def _init_unsharded(self, param: nn.Parameter) -> None:
         # A replicated param that needs no cast nor move is its own compute param: no copy.

@@ -183,6 +183,14 @@ class HSDPParamGroup:
             param.unreduced_grad = None
             param.unsharded_param.grad = None
 
+    def adopt_registered_params(self) -> None:
+        """Shard plain params registered in the sharded ones' place since ``fully_shard`` (the root's
+        first forward; only while resharded, when the registered params are the sharded ones)."""
+        if self.is_unsharded:
+            return
+        for param in self.params:
+            param.adopt_registered()
+
     def refresh_after_apply(self) -> None:
         """After ``nn.Module._apply`` changed the sharded params' dtype or device."""
         for param in self.params:

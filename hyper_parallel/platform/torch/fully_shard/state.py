@@ -43,8 +43,11 @@ class TrainingState(Enum):
     POST_BACKWARD = auto()
 
 
-class _IterationContext:
-    """What one process's current forward/backward iteration has touched."""
+class IterationContext:
+    """What one root's current forward/backward iteration has touched. Shared by the root's state
+    and every state below it (set when the root's first forward runs), never by the process:
+    two roots (a model and its EMA copy, pipeline stages, ranks hosted as threads of one
+    process) iterate independently, as in FSDP2."""
 
     def __init__(self) -> None:
         # States whose forward ran with grad enabled since the last end of backward (ordered).
@@ -105,8 +108,6 @@ class _IterationContext:
         self.forward_order.clear()
         self.final_callback_queued = False
 
-
-ITERATION = _IterationContext()
 
 STATE_ATTR = "_hsdp_state"  # where a sharded module keeps its HSDPState
 
@@ -202,6 +203,9 @@ class HSDPState:
         # Root of its forwards: decided at its first forward (True unless a sharded ancestor ran
         # first); the root keeps its params after forward when reshard_after_forward is None.
         self.is_root: bool | None = None
+        # The iteration this state takes part in: its own until a root's first forward shares
+        # the root's with it (``_become_root``).
+        self.iteration = IterationContext()
         self.forward_prefetch: list[HSDPState] = []
         self.backward_prefetch: list[HSDPState] = []
         self._hook_handles = [
@@ -211,10 +215,11 @@ class HSDPState:
             module.register_state_dict_post_hook(functools.partial(HSDPState._sharded_state_dict, self)),
             module.register_load_state_dict_pre_hook(functools.partial(HSDPState._reshard_before_load, self)),
         ]
-        # Names (relative to module, tied names included) of each managed param, for state dicts.
-        self._names_of_params: list[tuple[torch.nn.Parameter, list[str]]] = []
+        # Names (relative to module, tied names included) of each managed param, for state dicts; the
+        # HSDPParam, not its sharded param, which a param registered again before the first forward replaces.
+        self._names_of_params: list[tuple[Any, list[str]]] = []
         if param_group is not None:
-            by_id = {id(p.sharded_param): p.sharded_param for p in param_group.params}
+            by_id = {id(p.sharded_param): p for p in param_group.params}
             names: dict[int, list[str]] = {}
             for name, param in module.named_parameters(remove_duplicate=False):
                 if id(param) in by_id:
@@ -227,7 +232,7 @@ class HSDPState:
         for param, names in self._names_of_params:
             for name in names:
                 if prefix + name in state_dict:
-                    state_dict[prefix + name] = param.detach()
+                    state_dict[prefix + name] = param.sharded_param.detach()
 
     def _reshard_before_load(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
         """Loading writes into the sharded params, so they must be the registered ones."""
@@ -238,17 +243,17 @@ class HSDPState:
     def _pre_forward(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        recomputing = self.training_state is TrainingState.PRE_BACKWARD or _inside_backward()
+        if not recomputing and self.is_root is None:
+            self._become_root()
         if not _inside_backward():
             # first: a backward that raised left its states (PRE_BACKWARD ones too) to forget, and
             # forgetting after registering this forward would drop this group from the iteration
-            ITERATION.recover_if_abandoned()
-        recomputing = self.training_state is TrainingState.PRE_BACKWARD or _inside_backward()
+            self.iteration.recover_if_abandoned()
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
-            ITERATION.states_in_iteration[self] = None
+            self.iteration.states_in_iteration[self] = None
         if not recomputing:
-            if self.is_root is None:
-                self._become_root()
             if self.post_optim_event is not None:
                 _wait_on_event(self.post_optim_event)
                 self.post_optim_event = None
@@ -285,7 +290,8 @@ class HSDPState:
             self.training_state = TrainingState.IDLE
             if torch.is_grad_enabled() and self.param_group is not None:
                 # only groups with params take part, as in FSDP2: a call managing none is no target
-                ITERATION.forward_order[self] = ITERATION.forward_order.get(self, 0) + 1
+                order = self.iteration.forward_order
+                order[self] = order.get(self, 0) + 1
         output = _cast_floating(output, self.mp_policy.output_dtype)
         if torch.is_grad_enabled():
             for tensor in _tensors_in(output):
@@ -300,12 +306,17 @@ class HSDPState:
 
     def _become_root(self) -> None:
         """First forward of a module no sharded ancestor has run: it is a root, its sharded
-        descendants are not."""
+        descendants are not, and they take part in its iterations."""
         self.is_root = True
         for sub in self.module.modules():
             state = state_of(sub)
-            if state is not None and state is not self:
+            if state is None:
+                continue
+            if state is not self:
                 state.is_root = False
+                state.iteration = self.iteration
+            if state.param_group is not None:
+                state.param_group.adopt_registered_params()
 
     def prefetch(self) -> None:
         """Start this group's all-gather early (explicit prefetch by another module); in backward, not
@@ -322,19 +333,19 @@ class HSDPState:
         # microbatch, and the end of the first backward forgets the states of the iteration;
         # a group whose inputs need no grad (the first stage) is finished only by the
         # end-of-backward callback, so every backward that reaches it must list it.
-        ITERATION.states_in_iteration[self] = None
-        ITERATION.queue_final_callback()
+        self.iteration.states_in_iteration[self] = None
+        self.iteration.queue_final_callback()
         self.training_state = TrainingState.PRE_BACKWARD
         if self.param_group is not None and self.param_group.unshard_in_backward:
             self.param_group.unshard()
             self.param_group.wait_for_unshard()
         # explicit lists replace the implicit prefetch of the next group backward reaches
-        for target in self.backward_prefetch or ITERATION.next_in_backward(self):
+        for target in self.backward_prefetch or self.iteration.next_in_backward(self):
             target.prefetch()
 
     def post_backward(self) -> None:
         # A forward run under no_grad (reentrant checkpoint) registers the state only here.
-        ITERATION.states_in_iteration[self] = None
+        self.iteration.states_in_iteration[self] = None
         self.training_state = TrainingState.POST_BACKWARD
         if self.param_group is not None:
             self.param_group.post_backward()

@@ -135,7 +135,7 @@ def _set_reduce_op_type(self: fsdp.FSDPModule, reduce_op_type: str, *, recurse: 
 
     Not a factor of the world size for "avg": torch 2.13's FSDP2 divides by a custom factor twice on
     an HSDP mesh whose shard dim has one rank (the copy that stands in for the reduce-scatter divides,
-    and so does the post-divide after the all-reduce): found by L4, see the README."""
+    and so does the post-divide after the all-reduce): found by L4, see docs/judging.md."""
     if reduce_op_type not in ("sum", "avg"):
         raise ValueError(f"reduce_op_type must be 'sum' or 'avg', got {reduce_op_type!r}")
     modules = self.modules() if recurse else [self]
