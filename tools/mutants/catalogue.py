@@ -46,6 +46,19 @@ class Mutant:
         return text.replace(self.find, self.replace, 1)
 
 
+# mutant 65 swaps these two blocks of Reduction.wait (collectives.py)
+_REPLICA_ALL_REDUCE = (
+    "        if self.settings.all_reduce_replicas and self.mesh_info.is_hsdp"
+    " and self.mesh_info.replicate_size > 1:\n"
+    "            works = [\n"
+    "                dist.all_reduce(output, op=self.op, group=self.mesh_info.replicate_group, async_op=True)\n"
+    "                for _, output, _ in self.pieces\n"
+    "            ]\n"
+    "            for work in works:\n"
+    "                _wait(work)\n"
+)
+_FINISH = "        for _, output, _ in self.pieces:\n            self._finish(output)\n"
+
 MUTANTS: tuple[Mutant, ...] = (
     # -- core/fully_shard/api.py ---------------------------------------------------------------
     Mutant(
@@ -602,6 +615,25 @@ MUTANTS: tuple[Mutant, ...] = (
         "a shard is a view of the whole param (upstream's layout bug, fixed in its fix_main_grad): nothing is freed",
         "                local.copy_(src)\n",
         "                local = src\n",
+    ),
+    Mutant(
+        "65",
+        COLLECTIVES,
+        "all-reduce hook (HSDP)",
+        "the all-reduce hook (and the division after the collectives) runs as soon as the reduce-scatter "
+        "is done, before the all-reduce over the replicas: the hook sees one replica group's partial sum",
+        _REPLICA_ALL_REDUCE + _FINISH,
+        _FINISH + _REPLICA_ALL_REDUCE,
+    ),
+    Mutant(
+        "66",
+        COLLECTIVES,
+        "unshard across the optimizer step",
+        "an all-gather notes the shards' version when it is waited, not when it read them: a gather issued "
+        "before the optimizer step and waited after it counts as fresh, and the next forward uses the old params",
+        "        for param, version in zip(self.params, self.versions, strict=True):\n"
+        "            param.note_gathered(version)\n",
+        "        for param in self.params:\n            param.note_gathered()\n",
     ),
 )
 

@@ -18,7 +18,7 @@ import torch
 
 from .classify import classify
 from .report import CONTROL, summary, verdict_rows, write_json, write_page
-from .run import REPO_ROOT, run_file
+from .run import REPO_ROOT, read_records, run_file
 
 FSDP_TESTS = Path("test/distributed/_composable/fsdp")
 
@@ -49,6 +49,22 @@ def _implementation_paths(spec: str) -> tuple[str, ...]:
     return (str(Path(parsed.path) / "hyper_parallel") if parsed.path else "hyper_parallel/", "/adapters/")
 
 
+def _sort_failures(file: str, name: str, spec: str, outcomes: dict[str, dict]) -> None:
+    """Each failure of an implementation other than the control, sorted (``classify``)."""
+    if name == CONTROL:
+        return
+    paths = _implementation_paths(spec)
+    for record in outcomes.values():
+        if record["outcome"] in ("failed", "timeout"):
+            failure = classify(file, record, paths)
+            record.update(
+                kind=failure.kind,
+                error_type=failure.error_type,
+                message=failure.message,
+                internals=list(failure.internals),
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tools.peer_suite", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -71,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run tests torch skips below N accelerators (skip_if_lt_x_gpu) on the CPU, N <= --world",
     )
+    parser.add_argument(
+        "--rejudge", action="store_true", help="run nothing: sort and report again the outcomes recorded under --out"
+    )
     parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/peer-<time>)")
     args = parser.parse_args(argv)
 
@@ -81,34 +100,30 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, dict]] = {name: {} for name in names}
     for index, file in enumerate(files, 1):
         for name, spec in names.items():
-            print(f"[{index}/{len(files)}] {file.name} · {name} ...", end="", flush=True)
-            run = run_file(
-                file,
-                spec,
-                out / "work" / name,
-                args.timeout,
-                args.file_timeout,
-                args.world,
-                args.select,
-                args.gpu_tests_on_cpu,
-            )
-            paths = _implementation_paths(spec)
-            for record in run.outcomes.values():
-                if name != CONTROL and record["outcome"] in ("failed", "timeout"):
-                    failure = classify(str(file), record, paths)
-                    record.update(
-                        kind=failure.kind,
-                        error_type=failure.error_type,
-                        message=failure.message,
-                        internals=list(failure.internals),
-                    )
-            results[name][file.name] = run.outcomes
-            counts = {o: sum(r["outcome"] == o for r in run.outcomes.values()) for o in ("passed", "failed", "timeout")}
-            extra = f" ({run.restarts} restart(s) after a hang)" if run.restarts else ""
-            print(
-                f" {counts['passed']} passed, {counts['failed']} failed, {counts['timeout']} timed out"
-                f" in {run.seconds:.0f} s{extra}{'; ' + run.problem if run.problem else ''}"
-            )
+            work = out / "work" / name
+            if args.rejudge:
+                outcomes = {r["nodeid"]: r for r in read_records(work / f"{file.stem}.jsonl") if "nodeid" in r}
+            else:
+                print(f"[{index}/{len(files)}] {file.name} · {name} ...", end="", flush=True)
+                run = run_file(
+                    file,
+                    spec,
+                    work,
+                    args.timeout,
+                    args.file_timeout,
+                    args.world,
+                    args.select,
+                    args.gpu_tests_on_cpu,
+                )
+                outcomes = run.outcomes
+                counts = {o: sum(r["outcome"] == o for r in outcomes.values()) for o in ("passed", "failed", "timeout")}
+                extra = f" ({run.restarts} restart(s) after a hang)" if run.restarts else ""
+                print(
+                    f" {counts['passed']} passed, {counts['failed']} failed, {counts['timeout']} timed out"
+                    f" in {run.seconds:.0f} s{extra}{'; ' + run.problem if run.problem else ''}"
+                )
+            _sort_failures(str(file), name, spec, outcomes)
+            results[name][file.name] = outcomes
     rows = verdict_rows(results)
     provenance = {
         "tests": str(args.tests),

@@ -27,6 +27,8 @@ INTERNALS = (
     "_get_param_module_infos",
     "ParamModuleInfo",
     "_modules_to_run_forward",
+    "_force_complete_incomplete_states",
+    "_set_unshard_async_op",
     "foreach_all_gather",
     "foreach_reduce",
     "patch_all_gather",
@@ -38,7 +40,10 @@ INTERNALS = (
     "patch_reshard",
     '__class__.__name__, "FSDP',  # the class name FSDP2 gives (ours: HSDP<cls>)
 )
+LABELS = {'__class__.__name__, "FSDP': "the class name FSDP<cls>", "fully_shard.state(": "fully_shard.state()"}
 REGEX_MISMATCH = re.compile(r'^"(?P<regex>.*)" does not match "(?P<text>.*)"$', re.S)
+RANK_EXITED = re.compile(r"(Thread|Process) \d+ exited with")  # torch's harnesses wrap a rank's error so
+FRAME_LINE = re.compile(r'File "(?P<file>[^"]+)", line \d+')
 RAISED_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Timeout|Interrupt)): ?(?P<message>.*)$")
 
 
@@ -51,12 +56,12 @@ class Failure:
 
 
 def innermost_error(error_type: str, message: str, longrepr: str) -> tuple[str, str]:
-    """The exception that really failed the test: a rank's, where the multi-threaded harness wraps
-    it as ``RuntimeError: Thread N exited with exception``."""
-    if error_type == "RuntimeError" and message.startswith("Thread ") or "exited with exception" in message:
+    """The exception that really failed the test: a rank's, where torch's harnesses wrap it as
+    ``RuntimeError: Thread N exited with exception`` or ``Process N exited with error code``."""
+    if error_type == "RuntimeError" and RANK_EXITED.search(message):
         for line in reversed((message + "\n" + longrepr).splitlines()):
             found = RAISED_LINE.match(line.strip().removeprefix("E").strip())
-            if found and not found["message"].startswith("Thread "):
+            if found and not RANK_EXITED.search(found["message"]):
                 return found["type"].rsplit(".", 1)[-1], found["message"]
     return error_type, message.splitlines()[0] if message else ""
 
@@ -85,7 +90,13 @@ def internals_read(test_file: str, nodeid: str) -> tuple[str, ...]:
     parts = nodeid.split("::")
     key = f"{parts[-2]}::{parts[-1].split('[')[0]}" if len(parts) >= 3 else ""
     source = _test_sources(test_file).get(key, "")
-    return tuple(name for name in INTERNALS if name in source)
+    return tuple(LABELS.get(name, name.rstrip("(")) for name in INTERNALS if name in source)
+
+
+def _raised_inside(longrepr: str, implementation_paths: tuple[str, ...]) -> bool:
+    """Whether the innermost frame of the (innermost) traceback is the implementation's."""
+    frames = FRAME_LINE.findall(longrepr)
+    return bool(frames) and any(path and path in frames[-1] for path in implementation_paths)
 
 
 def classify(test_file: str, record: dict, implementation_paths: tuple[str, ...] = ()) -> Failure:
@@ -98,7 +109,7 @@ def classify(test_file: str, record: dict, implementation_paths: tuple[str, ...]
     internals = internals_read(test_file, record["nodeid"])
     longrepr = record.get("longrepr", "")
     first = message.splitlines()[0] if message else ""
-    raised_inside = any(path and path in longrepr for path in implementation_paths)
+    raised_inside = _raised_inside(longrepr, implementation_paths)
     if internals and not raised_inside and record.get("outcome") != "timeout":
         kind = "private"
     elif error_type == "AssertionError" and REGEX_MISMATCH.match(first):

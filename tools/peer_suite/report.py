@@ -63,7 +63,8 @@ _CSS = """body{font-family:sans-serif;margin:1.5em;max-width:1400px}table{border
 td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px;vertical-align:top}th{background:#f3f3f3}
 .passed{background:#d9f2d9}.failed,.timeout{background:#f9d0d0}.skipped{color:#777}
 .private{background:#eee;color:#555}.message{background:#fde9c8}.owed td:first-child{border-left:4px solid #c00}
-pre{white-space:pre-wrap;font-size:12px;max-height:20em;overflow:auto}details{margin:.2em 0}"""
+pre{white-space:pre-wrap;font-size:12px;max-height:20em;overflow:auto}
+td code{word-break:break-all}details{margin:.2em 0}"""
 
 
 def _cell(record: dict | None) -> str:

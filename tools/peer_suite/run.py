@@ -47,7 +47,7 @@ def _env(spec: str, record: Path, done: Path, test_timeout: float, world: int, g
     return env
 
 
-def _read_records(record: Path) -> list[dict]:
+def read_records(record: Path) -> list[dict]:
     if not record.exists():
         return []
     return [json.loads(line) for line in record.read_text().splitlines() if line.strip()]
@@ -103,7 +103,7 @@ def run_file(
         except subprocess.TimeoutExpired:
             run.problem = f"the file ran past {file_timeout:.0f} s; the tests not recorded are missing"
             break
-        records = [r for r in _read_records(record) if "nodeid" in r]
+        records = [r for r in read_records(record) if "nodeid" in r]
         done.write_text("\n".join(r["nodeid"] for r in records))
         if proc.returncode == WATCHDOG_EXIT and run.restarts < 50:
             run.restarts += 1
@@ -111,7 +111,7 @@ def run_file(
         if proc.returncode not in (0, 1, 5, WATCHDOG_EXIT):
             run.problem = f"pytest exited {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}"
         break
-    for entry in _read_records(record):
+    for entry in read_records(record):
         if "nodeid" in entry:
             run.outcomes[entry["nodeid"]] = entry
     run.seconds = time.monotonic() - started

@@ -122,6 +122,12 @@ def configs(
         config.prefetch_depth = 2
     config.steps = draw(st.lists(steps(config, features), min_size=1, max_size=3))
     config.steps[0].reset_iter_state = False  # its use: after an iteration (torch FSDP2 raises before any)
+    across = {"unshard_reshard", "unshard_across_step"}
+    if across <= features and len(config.steps) > 1 and not any(c <= across for c in avoid) and one_in(draw, 4):
+        # an unshard issued before the optimizer step, waited after it: rare by chance (one step's
+        # unshard, one way of four, never the first step's), so drawn on its own too
+        later = draw(st.sampled_from(config.steps[1:]))
+        later.unshard, later.unshard_how = draw(st.integers(0, len(config.groups) - 1)), "across step"
     used = config.features()
     assume(not any(combination <= used for combination in avoid))
     return config
@@ -239,6 +245,8 @@ def reduce_controls(draw: Any, group: Group, features: frozenset[str]) -> None:
         group.scaling_tensor = one_in(draw, 2)  # a number or a 1-element tensor, both accepted
     if "all_reduce_hook" in features and one_in(draw, 5):
         group.hook = True
+        # halving is linear: it cannot tell a hook called before the HSDP all-reduce from one after it
+        group.hook_map = draw(st.sampled_from(("halve", "leaky")))
 
 
 @st.composite

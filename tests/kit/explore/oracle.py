@@ -39,14 +39,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from tests.kit.explore.gathers import GatherLedger, Unit
 from tests.kit.explore.grammar import HALF_PRECISION_LOSS_SCALE, Tied, batch, build, loss_of
 from tests.kit.explore.invariants import Invariants
-from tests.kit.explore.promised import (
-    DTYPES,
-    HOOK_SCALE,
-    Meshes,
-    PromisedReference,
-    param_plans,
-    precision_row,
-)
+from tests.kit.explore.promised import DTYPES, Meshes, PromisedReference, param_plans, precision_row
+from tests.kit.explore.received import Received
 from tests.kit.explore.space import PRECISIONS, Config, Group
 from tests.kit.explore.storages import UnshardedStorages
 from tests.kit.explore.timing import Timing
@@ -58,7 +52,7 @@ from tests.kit.judging.tolerances import Tolerance, tolerance
 from tests.kit.runtime.devices import compute_device
 
 
-class Example(Invariants, Timing):
+class Example(Invariants, Timing, Received):
     """One configuration on this rank: the model under test beside its reference, checked."""
 
     def __init__(self, config: Config, ctx: CaseContext) -> None:
@@ -91,6 +85,7 @@ class Example(Invariants, Timing):
         skipped = {unit for unit in self._units() if config.groups[unit[0]].skips_backward_gather}
         self.gathers = GatherLedger(*self._gather_sizes(), skip_backward=skipped)  # what forward/backward fetch
         self.storages = UnshardedStorages()  # what each unit used while unsharded, watched weakly
+        self.hook_inputs, self.stepped = {}, None  # what the all-reduce hooks received; params stepped
 
     # -- set-up --------------------------------------------------------------------------------
     def shard(self) -> None:
@@ -111,7 +106,7 @@ class Example(Invariants, Timing):
                     # implementation's pre-backward hooks on the output it returned
                     module.register_full_backward_pre_hook(self._seen_backward_start(index, path))
             for module in self.hsdp_modules[-1]:
-                self._set_controls(module, group)
+                self._set_controls(module, group, index)
         if self.config.prefetch:
             self._set_prefetch()
         if any(step.method != "forward" for step in self.config.steps):
@@ -124,7 +119,7 @@ class Example(Invariants, Timing):
             self.model.double()
         self._check_layout()
 
-    def _set_controls(self, module: Any, group: Group) -> None:
+    def _set_controls(self, module: Any, group: Group, index: int) -> None:
         """The call's own reduction and backward controls (FSDP2's setters act on one module)."""
         if group.divide_factor is not None and group.divide_alias:
             with warnings.catch_warnings(record=True) as warned:
@@ -142,7 +137,7 @@ class Example(Invariants, Timing):
                 torch.tensor(factor, device=compute_device()) if group.scaling_tensor else factor
             )
         if group.hook:
-            module.set_all_reduce_hook(lambda reduced: reduced.mul_(HOOK_SCALE))
+            module.set_all_reduce_hook(self._all_reduce_hook(index, group))
         if not group.unshard_in_backward:
             module.set_unshard_in_backward(False)
         if group.undone:  # set back: as if never set
@@ -247,6 +242,7 @@ class Example(Invariants, Timing):
                         module.reshard()
                 self.gathers.all_resharded()
                 self._check_storage_freed(f"step {index} after reshard()")
+            self._check_hook_inputs(f"step {index}")
             self._check_grads(f"step {index}")
             following = steps[index + 1] if index + 1 < len(steps) else None
             across = following is not None and following.unshard is not None and following.unshard_how == "across step"
@@ -257,6 +253,7 @@ class Example(Invariants, Timing):
             self._zero_grad(step, opts)
             self._check_params(f"step {index}")
             if across:  # issued before the step, waited after it: the next forward must use the stepped params
+                self._note_stepped(self._first_unit(following.unshard))
                 if handle is not None:
                     handle.wait()
                 # unsharded but stale: gathered again at the wait or at the next unshard, either way
@@ -387,6 +384,7 @@ class Example(Invariants, Timing):
                 out = getattr(self.model, step.method)(*args, **kwargs)
                 self._note_forward(len(self.config.groups) - 1, "", out)
             self._recording_forward, self._forward_rec = False, None
+        self.stepped = None  # checked as its module's forward started (a registered method skips the root's)
         return out, forward
 
     def _zero_grad(self, step: Any, opts: tuple) -> None:

@@ -23,7 +23,20 @@ from tests.kit.judging.checks import CaseContext
 from tests.kit.judging.surface import impl
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-HOOK_SCALE = 0.5  # the all-reduce hook L4 sets multiplies the reduced grads by this, in place (exact)
+
+
+def _halve(reduced: torch.Tensor) -> None:
+    reduced.mul_(0.5)
+
+
+def _leaky(reduced: torch.Tensor) -> None:
+    """Negative entries halved: not additive (summing before or after it differs), but it commutes
+    with a positive factor, so a division before or after it changes nothing (halving is exact)."""
+    reduced.copy_(torch.where(reduced < 0, reduced * 0.5, reduced))
+
+
+# the maps L4's all-reduce hooks make of the reduced grads, in place (``Group.hook_map``)
+HOOK_MAPS = {"halve": _halve, "leaky": _leaky}
 
 
 def precision_row(config: Config) -> str:
@@ -200,7 +213,7 @@ class PromisedReference:
         if replicas is not None and self.all_reduce[plan.group]:
             dist.all_reduce(grad, op=op, group=replicas)
         if group.hook and (replicas is None or self.all_reduce[plan.group]):
-            grad = grad * HOOK_SCALE
+            HOOK_MAPS[group.hook_map](grad)  # on the sum over every rank (the replicas' too)
         if group.scaling_factor is not None:
             grad = grad * group.scaling_factor
         return grad

@@ -67,7 +67,8 @@ class Group:
     force_sum: bool = False  # set_force_sum_reduction_for_comms(True)
     scaling_factor: float | None = None  # set_gradient_scaling_factor: reduced grads times it
     scaling_tensor: bool = False  # the scaling factor passed as a 1-element tensor
-    hook: bool = False  # set_all_reduce_hook(halving the reduced grads in place)
+    hook: bool = False  # set_all_reduce_hook: records what it receives, then maps it in place as ``hook_map``
+    hook_map: str = "halve"  # "halve": x / 2 (linear); "leaky": negative entries halved (not additive)
     unshard_in_backward: bool = True  # set_unshard_in_backward (False only where backward needs no param)
     undone: bool = False  # force-sum and unshard_in_backward set back (False / True) after being set
     unused_reduce: bool = False  # set_reduce_scatter_unused_params(True, recurse=False)
@@ -249,6 +250,7 @@ class Config:
     def coverage(self) -> dict[str, str]:
         """What was drawn, one value per option (the explorer's table of what came up)."""
         kinds = sorted(_kinds(self.body))
+        hooks = {g.hook_map for g in self.groups if g.hook}  # the maps its all-reduce hooks make
         return {
             "world size": str(self.world),
             "mesh": "x".join(map(str, self.mesh)),
@@ -260,7 +262,7 @@ class Config:
             "steps": str(len(self.steps)),
             "optimizer": self.optimizer,
             **{f"uses {name}": "yes" for name in sorted(self.features() - {"fully_shard"})},
-        }
+        } | ({"all-reduce hook": ",".join(sorted(hooks))} if hooks else {})
 
 
 def _node(data: dict) -> Node:
