@@ -190,8 +190,8 @@ MUTANTS: tuple[Mutant, ...] = (
         PARAM,
         "rank offset",
         "a rank's shard starts at rank x its own row count instead of rank x chunk",
-        "                start = min(rank * self.chunk, self.full_shape[self.dim])  # empty chunks at the end\n",
-        "                start = min(rank * self.rows_of(rank), self.full_shape[self.dim])"
+        "        start = min(rank * self.chunk, self.full_shape[self.dim])  # empty chunks at the end\n",
+        "        start = min(rank * self.rows_of(rank), self.full_shape[self.dim])"
         "  # empty chunks at the end\n",
     ),
     Mutant(

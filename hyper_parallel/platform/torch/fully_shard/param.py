@@ -199,11 +199,7 @@ class HSDPParam:
     # -- sharded side ---------------------------------------------------------------------
     def _init_sharded(self, param: nn.Parameter) -> None:
         with torch.no_grad():
-            src = self._tp_local(param).detach()
-            if not self.is_replicated:
-                rank = self.mesh_info.shard_rank
-                start = min(rank * self.chunk, self.full_shape[self.dim])  # empty chunks at the end
-                src = src.narrow(self.dim, start, self.rows_of(rank))
+            src = self._this_ranks_rows(self._tp_local(param).detach())
             if src.is_meta:  # deferred init: the shard stays on meta until to_empty() materialises it
                 local = torch.empty(src.shape, dtype=src.dtype, device="meta")
             else:
@@ -215,6 +211,15 @@ class HSDPParam:
             self.sharded_mesh, self.placements = self._sharded_layout(placement)
             dtensor = self.to_dtensor(local)
         self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+    def _this_ranks_rows(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a tensor of the param's whole (TP-local) shape: its ``torch.chunk``
+        piece, a view (the last ranks' pieces may be empty)."""
+        if self.is_replicated:
+            return whole
+        rank = self.mesh_info.shard_rank
+        start = min(rank * self.chunk, self.full_shape[self.dim])  # empty chunks at the end
+        return whole.narrow(self.dim, start, self.rows_of(rank))
 
     @property
     def local_shard(self) -> torch.Tensor:
@@ -305,11 +310,7 @@ class HSDPParam:
             )
         if not isinstance(current, DTensor):
             with torch.no_grad():
-                src = current.detach()
-                if not self.is_replicated:
-                    rank = self.mesh_info.shard_rank
-                    start = min(rank * self.chunk, self.full_shape[self.dim])
-                    src = src.narrow(self.dim, start, self.rows_of(rank))
+                src = self._this_ranks_rows(current.detach())
                 local = src.to(self.shard_device, memory_format=torch.contiguous_format, copy=True)
             fresh = nn.Parameter(self._global_view(local, self.sharded_mesh, self.placements), current.requires_grad)
             torch.utils.swap_tensors(current, fresh)  # the user's object, now the sharded DTensor

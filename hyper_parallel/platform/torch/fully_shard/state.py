@@ -33,6 +33,7 @@ from torch.autograd import Variable
 from hyper_parallel.core.fully_shard.utils import MixedPrecisionPolicy
 
 from .mesh_info import PostForwardMesh
+from .param import HSDPParam
 from .param_group import HSDPParamGroup
 
 
@@ -217,7 +218,7 @@ class HSDPState:
         ]
         # Names (relative to module, tied names included) of each managed param, for state dicts; the
         # HSDPParam, not its sharded param, which a param registered again before the first forward replaces.
-        self._names_of_params: list[tuple[Any, list[str]]] = []
+        self._names_of_params: list[tuple[HSDPParam, list[str]]] = []
         if param_group is not None:
             by_id = {id(p.sharded_param): p for p in param_group.params}
             names: dict[int, list[str]] = {}
