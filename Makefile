@@ -1,10 +1,10 @@
 # The two commands that do everything on a fresh machine:
 #   make sweep   -- the main job: every case through papermill, evidence in runs/<timestamp>/
-#   make test    -- the whole test suite (lint, engine tests, cases, kit tests, nbval)
+#   make test    -- the test suite (lint, engine tests, cases, kit tests, nbval); make test-slow: the rest
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup sweep bench test lint notebooks mutants conformance explore device-check
+.PHONY: setup sweep bench test test-slow lint notebooks mutants conformance explore device-check
 .DEFAULT_GOAL := test
 
 # torch 2.13.0 is pinned (constraints.txt): it is the CPU build on local disk.
@@ -54,6 +54,12 @@ lint:
 
 # The notebooks first: nbval runs every plan case there (on a cluster computing with other CPU
 # arithmetic than the recording's: the recorded text must hold anyway), and the pytest case of
-# each id judges that same verdict (conftest.py).
+# each id judges that same verdict (conftest.py). Tests marked slow (L3's networks, other launchers,
+# clusters of their own in subprocesses) are left to `make test-slow`; docs/testing.md lists them.
+NBVAL := --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg
 test: setup lint
-	IPP_NONINTERACTIVE=1 $(PYTHON) -m pytest -q notebooks tests --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg
+	IPP_NONINTERACTIVE=1 $(PYTHON) -m pytest -q -m "not slow" notebooks tests $(NBVAL)
+
+# The rest of the suite: `make test test-slow` runs every test.
+test-slow: setup
+	IPP_NONINTERACTIVE=1 $(PYTHON) -m pytest -q -m slow notebooks tests $(NBVAL)

@@ -103,8 +103,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     os.environ[JOIN_ENV] = f"{rc.cluster.profile}:{rc.cluster.cluster_id}"
 
 
+# Notebooks whose cells are marked ``slow`` (make test-slow): L3 trains its networks at the plan's sizes.
+SLOW_NOTEBOOKS = ("L3_networks.ipynb",)
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Against another implementation only the plan cases run (the engine and kit tests are about ours)."""
+    """The slow notebooks' cells are marked ``slow``; against another implementation only the plan
+    cases run (the engine and kit tests are about ours)."""
+    for item in items:
+        if type(item).__name__ == "IPyNbCell" and item.path.name in SLOW_NOTEBOOKS:
+            item.add_marker(pytest.mark.slow)
     if not config.getoption("--implementation"):
         return
     keep = [item for item in items if any(item.get_closest_marker(level) for level in LEVELS)]

@@ -44,3 +44,34 @@ def tp_unfused_matches_ddp() -> None:
     params = len(list(model.parameters()))
     for step, rec in enumerate(recorders):
         checks.equal(f"step {step} reduce-scatters (one per param)", len(rec.of("reduce_scatter")), params)
+
+
+def _tp_on_a_slice_matches_ddp(dims: dict[str, int], dp_dims: tuple[str, ...]) -> None:
+    """Colwise/Rowwise blocks on the ``tp`` slice of a 3-D mesh, fully_shard over the ``dp_dims``
+    slice (one dim: FSDP, two: HSDP): each param a DTensor on the dp dims and ``tp`` together, and 3
+    SGD steps train like DDP over the 4 ranks."""
+    checks = StrictChecks("TP + FSDP fp32", **dims)
+    mesh = checks.mesh
+    model = FeedForwardStack()
+    ddp = ddp_of(model)
+    for block in model.blocks:
+        parallelize_module(block, impl.submesh(mesh, "tp"), {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    shard_nested(model, model.blocks, mesh=impl.submesh(mesh, *dp_dims))
+    for name, param in model.blocks.named_parameters():
+        names = impl.mesh_dim_names(impl.mesh_of(param)) if impl.is_sharded(param) else None
+        checks.equal(f"blocks.{name} on the {(*dp_dims, 'tp')} mesh", str(names), str((*dp_dims, "tp")))
+    # the two tp ranks of a data-parallel coordinate need the same batch (dp_dims[0] has size 2)
+    batches = rank_batches(impl.local_rank(mesh, dp_dims[0]), (4, 8), steps=3)
+    checks.require("data-parallel batches differ", differs_across_ranks(batches[0]))
+
+    def sgd(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=1e-1, momentum=0.9)
+
+    train_against(checks, model, ddp, batches, square_mean, checks.tol, make_optimizer=sgd)
+
+
+def tp_on_a_3d_mesh_matches_ddp() -> None:
+    """TP from a slice of a bigger mesh: FSDP over ``dp`` of (pp 1, dp 2, tp 2) (FSDP2's
+    ``test_2d_mlp_with_nd_mesh``), then HSDP over (replicate 2, shard 1) beside tp 2 (its 3-D one)."""
+    _tp_on_a_slice_matches_ddp({"pp": 1, "dp": 2, "tp": 2}, ("dp",))
+    _tp_on_a_slice_matches_ddp({"dp_replicate": 2, "dp_shard": 1, "tp": 2}, ("dp_replicate", "dp_shard"))

@@ -12,3 +12,8 @@ pytestmark = pytest.mark.engine
 def test_tp_with_unfused_fully_shard(cluster):
     """TP + fully_shard(comm_fusion=False) on a (dp, tp) mesh = DDP; no plan case covers it (L0-TP is fused)."""
     cluster.run(ranks.tp_unfused_matches_ddp, 4)
+
+
+def test_tp_on_a_slice_of_a_3d_mesh(cluster):
+    """TP on the tp slice of a 3-D mesh beside FSDP on a 1-D dp slice, and beside HSDP on a 2-D one, = DDP."""
+    cluster.run(ranks.tp_on_a_3d_mesh_matches_ddp, 4)

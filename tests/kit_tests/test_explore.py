@@ -96,6 +96,7 @@ class _PassingCluster(_FakeCluster):
         return [{"checks": [{**check, "passed": True}], "series": {}, "figures": {}, "notes": []}] * world
 
 
+@pytest.mark.slow
 def test_keep_going_lists_each_distinct_failure_shrunk_once(tmp_path):
     from tests.kit.explore.survey import explore_all
 
@@ -140,6 +141,17 @@ def test_the_covering_phase_holds_every_pair_of_features_its_pool_holds(tmp_path
     for cached in tmp_path.iterdir():
         cached.unlink()
     assert pairs.covering(ALL, 4).configs == first.configs  # drawn again
+
+
+def test_the_shipped_covering_is_the_current_spaces():
+    """A default run reads its covering from ``tests/kit/explore/cover/`` (committed) instead of drawing
+    pools on every fresh clone: the file there must be the one of today's space, and the only one."""
+    from tests.kit.explore import pairs
+
+    shipped = sorted(path.name for path in pairs.SHIPPED.glob("*.json"))
+    expected = f"{pairs.shipped_key(ALL, 4)}.json"
+    fix = "python -m tests.kit.explore --ship-cover"
+    assert shipped == [expected], f"shipped {shipped}, the space's is {expected}: {fix}"
 
 
 def test_an_interplay_the_features_allow_counts_where_no_pool_holds_it(tmp_path, monkeypatch):

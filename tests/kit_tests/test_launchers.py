@@ -26,6 +26,8 @@ import pytest
 from tests.kit.runtime.cluster import RankCluster
 from tests.kit.runtime.engines import still_running
 
+pytestmark = pytest.mark.slow  # clusters of their own through other launchers: make test-slow
+
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 CASES = (("L1_interface.ipynb", "L1-03"), ("L2_coupling.ipynb", "L2-02"))

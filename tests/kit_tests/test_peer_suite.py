@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 import textwrap
+from pathlib import Path
 
+import pytest
+
+from tools.peer_suite.by_design import BY_DESIGN
 from tools.peer_suite.classify import classify, innermost_error
 from tools.peer_suite.report import summary, verdict_rows
 from tools.peer_suite.run import run_file
@@ -32,6 +36,7 @@ class TestPeer:
 '''
 
 
+@pytest.mark.slow
 def test_a_hang_costs_its_own_test_and_the_swap_reaches_the_tests(tmp_path):
     """Under ours, FSDP2's names are ours; the hanging test is recorded as a timeout with every thread's
     stack, pytest starts again and the test after it still runs."""
@@ -98,3 +103,38 @@ def test_owed_counts_only_public_failures_where_torch_passed():
     }
     counts = summary(verdict_rows(results), ["torch", "ours"])["f.py"]["ours"]
     assert (counts["owed"], counts["private"], counts["behaviour"]) == (1, 1, 2), json.dumps(counts)
+
+
+def test_a_listed_difference_is_not_owed_and_any_other_failure_is(tmp_path):
+    """A failure docs/api.md lists as a difference by design (plan L1-09: a list input is a group per
+    module), failing the listed way, is shown as such and not owed; the same test failing another way,
+    and a test not listed failing the listed way, are still owed."""
+    test_file = tmp_path / "test_f.py"
+    test_file.write_text("class TestX:\n    def test_other(self):\n        pass\n")
+    listed = "test_f.py::TestX::test_train_shared_params_uneven_shard"
+    refusal = "ValueError: modules 0 and 1 of the list share a parameter of shape (17, 16); shard their parent"
+    ours = {
+        "by design": _record(listed, refusal),
+        "listed, failing otherwise": _record(listed + "[x]", "AssertionError: Tensor-likes are not close!"),
+        "not listed": _record("test_f.py::TestX::test_other", refusal),
+    }
+    for record in ours.values():
+        failure = classify(str(test_file), record, ("hyper_parallel/",))
+        record.update(kind=failure.kind, design=failure.design)
+    assert "test_train_shared_params_uneven_shard" in BY_DESIGN
+    assert ours["by design"]["kind"] == "by design" and "plan L1-09" in ours["by design"]["design"], ours
+    assert [ours[k]["kind"] for k in ("listed, failing otherwise", "not listed")] == ["behaviour"] * 2, ours
+    results = {
+        "torch": {"f.py": {k: {"outcome": "passed"} for k in ours}},
+        "ours": {"f.py": ours},
+    }
+    counts = summary(verdict_rows(results), ["torch", "ours"])["f.py"]["ours"]
+    assert (counts["owed"], counts["by design"], counts["failed"]) == (2, 1, 3), json.dumps(counts)
+
+
+def test_every_listed_difference_is_a_row_of_the_difference_table():
+    """The registry names docs/api.md's rows by their first words: each must still be there."""
+    api = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    table = api[api.index("## Differences from torch FSDP2 2.13") :].split("\n## ")[0]
+    missing = {name: d.docs_row for name, d in BY_DESIGN.items() if f"| {d.docs_row}" not in table}
+    assert not missing, missing

@@ -152,6 +152,7 @@ def two_implementations(tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     return {"done": done, "run": run, "checkout": checkout, "marker": marker}
 
 
+@pytest.mark.slow
 def test_the_sweep_runs_l4_per_implementation_and_the_index_links_its_page(two_implementations):
     run = two_implementations["run"]
     index = (run / "index.html").read_text()
@@ -165,6 +166,7 @@ def test_the_sweep_runs_l4_per_implementation_and_the_index_links_its_page(two_i
     assert rows["ours"]["status"] == "PASS" and "0 covering + 3 drawn configurations" in rows["ours"]["summary"], rows
 
 
+@pytest.mark.slow
 def test_the_sweep_is_quiet_and_says_what_failed(two_implementations):
     done, run = two_implementations["done"], two_implementations["run"]
     assert done.returncode == 1, done.stdout + done.stderr  # the skewed implementation fails
@@ -184,6 +186,7 @@ def test_the_sweep_is_quiet_and_says_what_failed(two_implementations):
     assert (run / "sweep.log").exists() and (run / "sweep.log").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_each_implementation_has_its_evidence_and_the_index_links_it(two_implementations):
     run = two_implementations["run"]
     for name in ("ours", "skewed"):
@@ -206,6 +209,7 @@ def test_each_implementation_has_its_evidence_and_the_index_links_it(two_impleme
         assert not re.search(r"<script[^>]+src=\"https?://", page.read_text())  # opens offline
 
 
+@pytest.mark.slow
 def test_a_failing_page_shows_its_failing_rows_first(two_implementations):
     page = (two_implementations["run"] / "skewed" / "L0" / "L0-01.html").read_text()
     banner = page.index("id='hpkit-banner'")
@@ -217,6 +221,7 @@ def test_a_failing_page_shows_its_failing_rows_first(two_implementations):
     assert verdicts and verdicts[0] == "FAIL" and verdicts == sorted(verdicts, key=lambda v: v != "FAIL")
 
 
+@pytest.mark.slow
 def test_provenance_names_what_the_ranks_imported(two_implementations):
     run, checkout, marker = (two_implementations[k] for k in ("run", "checkout", "marker"))
     results = json.loads((run / "results.json").read_text())
@@ -243,6 +248,7 @@ def test_provenance_names_what_the_ranks_imported(two_implementations):
     assert skewed["file"] in header and ours["file"] in header and head[:12] in header
 
 
+@pytest.mark.slow
 def test_compare_lists_changed_verdicts_and_errors(two_implementations, tmp_path, capsys):
     run = two_implementations["run"]
     results = json.loads((run / "results.json").read_text())

@@ -635,6 +635,37 @@ MUTANTS: tuple[Mutant, ...] = (
         "            param.note_gathered(version)\n",
         "        for param in self.params:\n            param.note_gathered()\n",
     ),
+    Mutant(
+        "67",
+        API,
+        "ignored params (nested calls)",
+        "a call skips only the params its own ignored_params names: a param a nested call ignored, reachable "
+        "from the call above through a module it shares with (a tied weight), is sharded there",
+        "    ignored = ignored | _ignored_below(module)\n",
+        "",
+    ),
+    Mutant(
+        "68",
+        API,
+        "cast while gathered",
+        "to() / double() does not reshard first: on a gathered group the cast reaches the registered gathered "
+        "copy, and the shards keep their old dtype",
+        "            group.finish_reductions()\n"
+        "            group.reshard()\n"
+        "        result = super()._apply(fn, recurse)\n",
+        "            group.finish_reductions()\n        result = super()._apply(fn, recurse)\n",
+    ),
+    Mutant(
+        "69",
+        STATE,
+        "reset_iter_state after a failed forward",
+        "forgetting an aborted iteration keeps its forward order: after a forward that raised and "
+        "reset_iter_state(), the next backward's implicit prefetch follows counts from the failed forward",
+        "            state.training_state = TrainingState.IDLE\n"
+        "        self.states_in_iteration.clear()\n"
+        "        self.forward_order.clear()\n",
+        "            state.training_state = TrainingState.IDLE\n        self.states_in_iteration.clear()\n",
+    ),
 )
 
 

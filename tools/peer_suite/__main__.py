@@ -63,6 +63,8 @@ def _sort_failures(file: str, name: str, spec: str, outcomes: dict[str, dict]) -
                 message=failure.message,
                 internals=list(failure.internals),
             )
+            if failure.design:
+                record["design"] = failure.design
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
     files = _test_files(args.tests, args.files)
     names = _implementations(args.implementation)
-    out = args.out or REPO_ROOT / "runs" / time.strftime("peer-%Y%m%d-%H%M%S")
+    # absolute: each file's pytest runs in the tests' folder and writes its records under this
+    out = (args.out or REPO_ROOT / "runs" / time.strftime("peer-%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict]] = {name: {} for name in names}
     for index, file in enumerate(files, 1):

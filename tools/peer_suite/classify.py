@@ -1,5 +1,6 @@
-"""Sort a peer test's failure: *private* (the test reads torch FSDP2's internals, which no other
-implementation has), *message* (the same exception type as FSDP2's, with other text), *behaviour*."""
+"""Sort a peer test's failure: *by design* (a difference the test plan mandates, ``by_design.py``),
+*private* (the test reads torch FSDP2's internals, which no other implementation has), *message* (the
+same exception type as FSDP2's, with other text), *behaviour*."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from .by_design import DOCS_ROW, by_design
+from .by_design import KIND as BY_DESIGN_KIND
 
 # torch FSDP2's internals a test may read: out of scope for any other implementation
 INTERNALS = (
@@ -49,10 +53,11 @@ RAISED_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Time
 
 @dataclass(frozen=True)
 class Failure:
-    kind: str  # "private", "message", "behaviour"
+    kind: str  # "by design", "private", "message", "behaviour"
     error_type: str
     message: str  # its first line
     internals: tuple[str, ...]  # what of FSDP2's internals the test reads
+    design: str = ""  # for "by design": why, and the row of docs/api.md's difference table
 
 
 def innermost_error(error_type: str, message: str, longrepr: str) -> tuple[str, str]:
@@ -110,6 +115,10 @@ def classify(test_file: str, record: dict, implementation_paths: tuple[str, ...]
     longrepr = record.get("longrepr", "")
     first = message.splitlines()[0] if message else ""
     raised_inside = _raised_inside(longrepr, implementation_paths)
+    design = by_design(record["nodeid"], error_type, first) if record.get("outcome") == "failed" else None
+    if design is not None:
+        why = f"{design.reason} ({design.docs_row!r}, {DOCS_ROW})"
+        return Failure(BY_DESIGN_KIND, error_type, first[:300], internals, why)
     if internals and not raised_inside and record.get("outcome") != "timeout":
         kind = "private"
     elif error_type == "AssertionError" and REGEX_MISMATCH.match(first):

@@ -8,7 +8,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from .by_design import KIND as BY_DESIGN
+
 CONTROL = "torch"  # torch FSDP2 itself: what its own tests are judged against
+NOT_OWED = ("private", BY_DESIGN)  # failures an implementation does not owe even where torch passes
+
+
+def is_owed(record: dict, control_passed: bool) -> bool:
+    """A failure of an implementation where torch FSDP2 passed, neither private nor a listed difference."""
+    failed = record.get("outcome") in ("failed", "timeout")
+    return control_passed and failed and record.get("kind", "behaviour") not in NOT_OWED
 
 
 def verdict_rows(results: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
@@ -23,8 +32,7 @@ def verdict_rows(results: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
 
 
 def summary(rows: list[dict[str, Any]], names: list[str]) -> dict[str, dict[str, Counter]]:
-    """file -> implementation -> counts: passed, skipped, failed by kind, and public failures where the
-    control passed (what the implementation owes)."""
+    """file -> implementation -> counts: passed, skipped, failed by kind, and the failures owed (``is_owed``)."""
     table: dict[str, dict[str, Counter]] = {}
     for row in rows:
         control_passed = row["verdicts"].get(CONTROL, {}).get("outcome") == "passed"
@@ -37,10 +45,8 @@ def summary(rows: list[dict[str, Any]], names: list[str]) -> dict[str, dict[str,
             outcome = record["outcome"]
             counts[outcome] += 1
             if outcome in ("failed", "timeout") and name != CONTROL:
-                kind = record.get("kind", "behaviour")
-                counts[kind] += 1
-                if control_passed and kind != "private":
-                    counts["owed"] += 1
+                counts[record.get("kind", "behaviour")] += 1
+                counts["owed"] += is_owed(record, control_passed)
     return table
 
 
@@ -62,7 +68,8 @@ def write_json(path: Path, rows: list[dict[str, Any]], names: list[str], provena
 _CSS = """body{font-family:sans-serif;margin:1.5em;max-width:1400px}table{border-collapse:collapse;margin:1em 0}
 td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px;vertical-align:top}th{background:#f3f3f3}
 .passed{background:#d9f2d9}.failed,.timeout{background:#f9d0d0}.skipped{color:#777}
-.private{background:#eee;color:#555}.message{background:#fde9c8}.owed td:first-child{border-left:4px solid #c00}
+.private,.by-design{background:#eee;color:#555}.message{background:#fde9c8}
+.owed td:first-child{border-left:4px solid #c00}
 pre{white-space:pre-wrap;font-size:12px;max-height:20em;overflow:auto}
 td code{word-break:break-all}details{margin:.2em 0}"""
 
@@ -72,9 +79,11 @@ def _cell(record: dict | None) -> str:
         return "<td>-</td>"
     outcome = record["outcome"]
     kind = record.get("kind", "")
-    css = kind if kind in ("private", "message") else outcome
+    css = kind.replace(" ", "-") if kind in ("private", "message", BY_DESIGN) else outcome
     label = outcome.upper() + (f" ({kind})" if kind else "")
     body = html.escape(label)
+    if record.get("design"):
+        body += f"<br>{html.escape(record['design'])}"
     if record.get("error_type"):
         body += f"<br><code>{html.escape(record['error_type'])}: {html.escape(record.get('message', '')[:200])}</code>"
     if record.get("internals"):
@@ -91,8 +100,9 @@ def write_page(path: Path, rows: list[dict[str, Any]], names: list[str], provena
         "<h1>torch's FSDP2 tests, run against each implementation</h1>",
         "<p>" + " · ".join(f"{html.escape(k)}: <code>{html.escape(str(v))}</code>" for k, v in provenance.items()),
         "</p><p><b>owed</b>: tests torch FSDP2 passes that the implementation fails, not counting "
-        "<b>private</b> ones (they read FSDP2's internals). <b>message</b>: the same exception type, "
-        "other text.</p><h2>Summary</h2><table><tr><th>file</th>",
+        "<b>private</b> ones (they read FSDP2's internals) and those that <b>differ by design</b> (a "
+        "difference the test plan mandates, failing the listed way). <b>message</b>: the same exception "
+        "type, other text.</p><h2>Summary</h2><table><tr><th>file</th>",
     ]
     out += [f"<th>{html.escape(n)}</th>" for n in names] + ["</tr>"]
     for file, per in sorted(table.items()):
@@ -104,8 +114,8 @@ def write_page(path: Path, rows: list[dict[str, Any]], names: list[str], provena
                 text += f", {c['failed'] + c['timeout']} failed"
                 if name != CONTROL:
                     text += (
-                        f" (owed {c['owed']}; private {c['private']}, message {c['message']}, "
-                        f"behaviour {c['behaviour']})"
+                        f" (owed {c['owed']}; by design {c[BY_DESIGN]}, private {c['private']}, "
+                        f"message {c['message']}, behaviour {c['behaviour']})"
                     )
             out.append(f"<td>{text}</td>")
         out.append("</tr>")
@@ -115,11 +125,8 @@ def write_page(path: Path, rows: list[dict[str, Any]], names: list[str], provena
         verdicts = row["verdicts"]
         if all(r.get("outcome") == "skipped" for r in verdicts.values()):
             continue
-        owed = verdicts.get(CONTROL, {}).get("outcome") == "passed" and any(
-            r.get("outcome") in ("failed", "timeout") and r.get("kind") != "private"
-            for n, r in verdicts.items()
-            if n != CONTROL
-        )
+        control_passed = verdicts.get(CONTROL, {}).get("outcome") == "passed"
+        owed = any(is_owed(r, control_passed) for n, r in verdicts.items() if n != CONTROL)
         out.append(f'<tr class="{"owed" if owed else ""}"><td><code>{html.escape(row["nodeid"])}</code></td>')
         out += [_cell(verdicts.get(n)) for n in names] + ["</tr>"]
     out.append("</table>")

@@ -522,22 +522,31 @@ def _check_shardable(name: str, param: nn.Parameter, is_replicated: bool) -> Non
 
 
 def _check_tensor_parallel_param(name: str, param: DTensor, mesh: DeviceMesh) -> None:
-    """A DTensor param must come from tensor parallel on the other dim of a 2-D (dp, tp) mesh
-    whose dp dim is ``mesh``."""
-    tp_mesh = param.device_mesh
-    root = tp_mesh._get_root_mesh()
-    problem = None
-    if mesh.ndim != 1 or tp_mesh.ndim != 1:
-        problem = "tensor parallel composes with a 1-D fully_shard mesh and a 1-D TP mesh"
-    elif root.ndim != 2 or root.mesh_dim_names is None:
-        problem = "the TP mesh must be a named dim of a 2-D (dp, tp) DeviceMesh"
-    elif (root.mesh_dim_names[0], root.mesh_dim_names[1]) != (
-        (mesh.mesh_dim_names or (None,))[0],
-        (tp_mesh.mesh_dim_names or (None,))[0],
-    ) or mesh._get_root_mesh() != root:
-        problem = f"mesh must be dim 0 and the TP mesh dim 1 of one mesh, got root dims {root.mesh_dim_names}"
+    """A DTensor param must come from tensor parallel on a 1-D TP mesh cut, like ``mesh`` (the dp
+    dims: FSDP's one, or HSDP's two), from one named mesh, where the dp dims precede the TP dim."""
+    problem = _tensor_parallel_problem(param.device_mesh, mesh)
     if problem:
-        raise ValueError(f"parameter {name!r} is a DTensor on {tp_mesh}: {problem}")
+        raise ValueError(f"parameter {name!r} is a DTensor on {param.device_mesh}: {problem}")
+
+
+def _tensor_parallel_problem(tp_mesh: DeviceMesh, mesh: DeviceMesh) -> str | None:
+    """Why a param tensor-parallel on ``tp_mesh`` cannot be sharded over ``mesh``, or None. The mesh
+    both were cut from is ``mesh``'s: a DTensor's own mesh may be an equal one cut from another."""
+    root = mesh._get_root_mesh()
+    if tp_mesh.ndim != 1:
+        return "tensor parallel composes with fully_shard on a 1-D TP mesh"
+    if root.mesh_dim_names is None or mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+        return "mesh and the TP mesh must be named dims of one DeviceMesh"
+    names = (*mesh.mesh_dim_names, *tp_mesh.mesh_dim_names)
+    if not set(names) <= set(root.mesh_dim_names) or len(set(names)) != len(names) or root[names[-1]] != tp_mesh:
+        return (
+            f"mesh {mesh.mesh_dim_names} and the TP mesh must be distinct dims of one mesh, "
+            f"got mesh's dims {root.mesh_dim_names}"
+        )
+    order = [root.mesh_dim_names.index(n) for n in names]
+    if order != sorted(order):
+        return f"mesh's dims {mesh.mesh_dim_names} must precede the TP dim in their mesh {root.mesh_dim_names}"
+    return None
 
 
 def _params_outside_groups(module: nn.Module) -> Iterable[tuple[nn.Module, str, nn.Parameter]]:

@@ -23,6 +23,7 @@ from collections import Counter
 from typing import Any
 
 from tests.kit.explore.pairs import covering as covering_of
+from tests.kit.explore.pairs import ship_covering
 from tests.kit.explore.runner import (
     ExampleResult,
     coverage_rows,
@@ -81,6 +82,12 @@ def _parser() -> argparse.ArgumentParser:
         help="no covering phase (the configurations holding every pair of features, run before the draws)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--ship-cover",
+        action="store_true",
+        help="write the covering of a default run of ours (every feature, --max-world) into tests/kit/explore/cover/ "
+        "(committed, so a fresh clone draws no pool) and exit; run it after changing the space",
+    )
     return parser
 
 
@@ -136,6 +143,10 @@ def _progress(total: int, quiet: bool):
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _check_arguments(args)
+    if args.ship_cover:
+        path = ship_covering(frozenset(FEATURES), args.max_world)
+        print(f"covering of a default run (world sizes 1..{args.max_world}) written to {path}")
+        return 0
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")
     from tests.kit.runtime.cluster import RankCluster
 

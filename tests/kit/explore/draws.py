@@ -13,7 +13,7 @@ from typing import Any
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from tests.kit.explore.grammar import build, names
+from tests.kit.explore.grammar import build, names, tied_halves
 from tests.kit.explore.space import BLOCKS, LEAVES, PRECISIONS, Config, Group, Layer, Node, Precision, Step, shard_size
 
 
@@ -21,6 +21,13 @@ def one_in(draw: Any, n: int) -> bool:
     """True one time in ``n``; False where Hypothesis shrinks to, so a shrunk configuration keeps
     only the options its failure needs."""
     return draw(st.integers(1, n)) == n
+
+
+def mostly(draw: Any) -> bool:
+    """True three times in four (2..4 of 1..4), False where Hypothesis shrinks to (1): an option the
+    simplest configurations should carry too (Hypothesis draws them at the ends of every range, so
+    what ``one_in`` draws tends to come only with the other rare options)."""
+    return draw(st.integers(1, 4)) > 1
 
 
 def dims(world: int, uneven: bool) -> st.SearchStrategy[int]:
@@ -114,9 +121,12 @@ def configs(
         config.init = "meta"
     if "to_dtype" in features and config.precision == Precision() and one_in(draw, 5):
         config.cast = draw(st.sampled_from(("to", "double")))  # float64 training (a policy would cast it away)
+        if "to_dtype_after_forward" in features:  # the cast may meet gathered groups
+            hows = ("", "eval", "unshard") if "unshard_reshard" in features else ("", "eval")
+            config.cast_gathered = draw(st.sampled_from(hows))
     model = build(config)
     modules, params = names(model)
-    config.groups = draw(groups(config, modules, params, features))
+    config.groups = draw(groups(config, modules, params, features, tuple(tied_halves(model))))
     config.prefetch = "prefetch" in features and len(config.groups) > 1 and draw(st.booleans())
     if config.prefetch and len(config.groups) > 2 and one_in(draw, 3):
         config.prefetch_depth = 2
@@ -128,6 +138,10 @@ def configs(
         # unshard, one way of four, never the first step's), so drawn on its own too
         later = draw(st.sampled_from(config.steps[1:]))
         later.unshard, later.unshard_how = draw(st.integers(0, len(config.groups) - 1)), "across step"
+    if "reset_iter_state" in features and mostly(draw):
+        # a forward failing at a drawn call (the root half the time: every call's forward done, so the
+        # next backward's implicit prefetch meets all they left), then reset_iter_state(), before a drawn step
+        draw(st.sampled_from(config.steps)).fail = draw(one_group(len(config.groups)))
     used = config.features()
     assume(not any(combination <= used for combination in avoid))
     return config
@@ -135,19 +149,31 @@ def configs(
 
 @st.composite
 def groups(
-    draw: Any, config: Config, modules: dict[str, int], params: dict[str, tuple[int, ...]], features: frozenset[str]
+    draw: Any,
+    config: Config,
+    modules: dict[str, int],
+    params: dict[str, tuple[int, ...]],
+    features: frozenset[str],
+    halves: tuple[str, ...] = (),
 ) -> list[Group]:
     """The fully_shard calls: a subset of the modules, bottom-up, then the root; list calls of
-    unrelated modules where list input is declared."""
+    unrelated modules where list input is declared; at times a call of its own on the first half of
+    a tied pair (``halves``) ignoring the shared weight, which the calls above reach too."""
     candidates = sorted(path for path in modules if path)
     chosen = draw(st.lists(st.sampled_from(candidates), unique=True, max_size=4)) if candidates else []
+    nested = {"ignored_params", "ignored_params_nested"} <= features and halves
+    if nested and one_in(draw, 3):
+        half = draw(st.sampled_from(halves))
+        chosen.append(half)
+        modules = {**modules, half: half.count(".") + 1}
     often = "unshard_in_backward" in features and (one_in(draw, 2) or one_in(draw, 2))  # 3 in 4; shrinks to no
     if "embed" in candidates and "embed" not in chosen and often:
         chosen.append("embed")  # a group of its own: the one set_unshard_in_backward(False) may take
     chosen.sort(key=lambda p: (-modules[p], p))  # deepest first: bottom-up
     calls: list[list[str]] = []
     for path in chosen:
-        unrelated = calls and all(not _related(path, other) for other in calls[-1])
+        unrelated = calls and all(not _related(path, other) for other in calls[-1]) and calls[-1][0] not in halves
+        unrelated = unrelated and path not in halves  # a tied half's call stays a call of its own
         if "list_input" in features and unrelated and modules[path] == modules[calls[-1][0]] and draw(st.booleans()):
             calls[-1].append(path)
         else:
@@ -160,8 +186,31 @@ def groups(
         own = [p for p in under if p not in managed]
         managed.update(own)
         below = [p for p in under if p not in own]  # managed by a call below: naming them changes nothing
+        if paths[0] in halves:
+            out.append(draw(_tied_half_options(config, paths[0], own, params, features, below)))
+            continue
         out.append(draw(group_options(config, paths, own, params, features, root=paths == [""], below=below)))
     return out
+
+
+@st.composite
+def _tied_half_options(
+    draw: Any,
+    config: Config,
+    half: str,
+    own: list[str],
+    params: dict[str, tuple[int, ...]],
+    features: frozenset[str],
+    below: list[str],
+) -> Group:
+    """The options of a call on a tied half: drawn as any call's for its other params, the shared
+    weight in its ignored_params."""
+    weight = f"{half}.weight"
+    others = [p for p in own if p != weight]
+    group = draw(group_options(config, [half], others, params, features, root=False, below=below))
+    group.ignored.append(weight)
+    group.tied_half = True
+    return group
 
 
 def _under(param: str, module: str) -> bool:
@@ -307,6 +356,7 @@ def steps(draw: Any, config: Config, features: frozenset[str]) -> Step:
         step.unshard_how = draw(st.sampled_from(hows))
     if "reset_iter_state" in features and one_in(draw, 6):
         step.reset_iter_state = True
+    step.eval_forward = one_in(draw, 6)
     if "dcp" in features and one_in(draw, 4):
         step.state_dict_at = draw(st.sampled_from(("before", "between", "after")))
     if "zero_grad" in features and one_in(draw, 3):

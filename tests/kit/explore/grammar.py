@@ -236,6 +236,12 @@ def batch(config: Config, step: int, micro: int, rank: int) -> tuple[tuple, dict
     return (x,), {}
 
 
+def tied_halves(model: nn.Module) -> list[str]:
+    """The first half of each tied pair: a module a call may take only with the shared weight in its
+    ignored_params (the other half, under the calls above, still holds that weight)."""
+    return [f"{path}.a" if path else "a" for path, module in model.named_modules() if isinstance(module, Tied)]
+
+
 def names(model: nn.Module) -> tuple[dict[str, int], dict[str, tuple[int, ...]]]:
     """The modules ``fully_shard`` may take (path -> depth; modules with params whose forward runs,
     so not a bare ModuleList, and not the halves of a tied pair: their weight must stay in one

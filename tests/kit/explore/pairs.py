@@ -38,6 +38,7 @@ from tests.kit.explore.space import Config
 POOL = 400  # configurations drawn to choose the covering ones from (about 10 s of drawing)
 COVER_SEED = 0  # the pool's seed: the same covering configurations whatever the exploration's seed
 CACHE = Path(__file__).resolve().parents[3] / "runs" / "l4" / "cover"
+SHIPPED = Path(__file__).with_name("cover")  # a default run's covering, committed (``--ship-cover``)
 
 Pair = tuple[str, str]
 EXTRA_POOLS = 4  # more pools of POOL // 4 drawn (from the next seeds) while an allowed interplay is missing
@@ -56,6 +57,10 @@ INTERPLAY_NEEDS: dict[str, tuple[frozenset[str], int]] = {
     "a main grad cleared by HSDPModule.zero_grad before another step": (
         frozenset({"main_grad", "mixed_precision", "zero_grad"}),
         1,
+    ),
+    "a failed forward and reset_iter_state() before a backward whose implicit prefetch is judged": (
+        frozenset({"reset_iter_state"}),
+        2,
     ),
 }
 
@@ -79,7 +84,7 @@ def interplays(config: Config) -> set[str]:
     """The rare interplays the configuration holds, that a pair of features does not name: a
     ``recurse=False`` setter on the root above other calls (where it differs from ``recurse=True``),
     an int ``reshard_after_forward`` replaced by a bool, a main grad cleared by ``HSDPModule.zero_grad``
-    before another step."""
+    before another step, a failed forward before a backward whose implicit prefetch is judged."""
     found = set()
     n = len(config.groups)
     for step in config.steps:
@@ -98,7 +103,27 @@ def interplays(config: Config) -> set[str]:
     cleared = any(step.zero_grad != "optimizer" for step in config.steps[:-1])
     if config.precision.main_grad and cleared:
         found.add("a main grad cleared by HSDPModule.zero_grad before another step")
+    if _failure_before_timed_backward(config):
+        found.add("a failed forward and reset_iter_state() before a backward whose implicit prefetch is judged")
     return found
+
+
+def _reshards_after_forward(flag: bool | int | None) -> bool:
+    """Whether a non-root call's ``reshard_after_forward`` reshards it (None: yes; an int 1: no)."""
+    return not (flag is False or (type(flag) is int and flag == 1))
+
+
+def _failure_before_timed_backward(config: Config) -> bool:
+    """A forward failing as a call's module finishes, then reset_iter_state(), before a backward whose
+    implicit prefetch is judged (no prefetch lists, the timing judged, shards over more than one
+    rank, an output whose backward start the root's module hooks show: a tensor or a tuple) and
+    meets what that forward left: the failing call resharded after forward, or the root failing
+    above one that was (the module the next backward prefetches first)."""
+    root = len(config.groups) - 1
+    resharding = {i for i, g in enumerate(config.groups[:root]) if _reshards_after_forward(g.reshard_after_forward)}
+    failed = any(step.fail in resharding or (step.fail == root and resharding) for step in config.steps)
+    implicit = root > 0 and not config.prefetch and config.times_backward() and config.output in ("tensor", "tuple")
+    return failed and implicit and config.mesh[-1] > 1
 
 
 def option_values(config: Config) -> list[str]:
@@ -148,37 +173,67 @@ def pairs_text(measured: dict[str, tuple[int, int]]) -> str:
 def covering(
     features: frozenset[str], max_world: int, min_world: int = 1, avoid: tuple[frozenset[str], ...] = ()
 ) -> Covering:
-    """The covering configurations of ``features`` (cached under ``runs/l4/cover/``, keyed by the
-    arguments and the grammar's source, so a changed space draws a new pool)."""
+    """The covering configurations of ``features``: shipped with the kit (``SHIPPED``) for a default
+    run of ours, else cached under ``runs/l4/cover/``; both keyed by the arguments and the grammar's
+    source, so a changed space draws a new pool."""
     key = _key(features, max_world, min_world, avoid)
-    path = CACHE / f"{key}.json"
-    if path.exists():
-        return _load(path)
+    for folder in (SHIPPED, CACHE):
+        if (folder / f"{key}.json").exists():
+            return _load(folder / f"{key}.json")
+    found = _draw_covering(features, max_world, min_world, avoid)
+    _save(found, CACHE / f"{key}.json")
+    return found
+
+
+def ship_covering(features: frozenset[str], max_world: int) -> Path:
+    """Write the covering of a default run (``features`` up to ``max_world`` ranks, nothing avoided)
+    into ``SHIPPED``, in place of what was there: a fresh clone then draws no pool (``--ship-cover``)."""
+    found = covering(features, max_world)
+    SHIPPED.mkdir(parents=True, exist_ok=True)
+    for old in SHIPPED.glob("*.json"):
+        old.unlink()
+    path = SHIPPED / f"{shipped_key(features, max_world)}.json"
+    _save(found, path)
+    return path
+
+
+def shipped_key(features: frozenset[str], max_world: int) -> str:
+    """The key a default run's covering is shipped under."""
+    return _key(features, max_world, 1, ())
+
+
+def _draw_covering(
+    features: frozenset[str], max_world: int, min_world: int, avoid: tuple[frozenset[str], ...]
+) -> Covering:
+    """Draw the pool (and extra pools while an allowed interplay is missing) and choose from it."""
     possible = possible_interplays(features, max_world, avoid)
     pool = _pool(features, max_world, min_world, avoid, COVER_SEED)
     for extra in range(1, EXTRA_POOLS + 1):
         if possible <= set().union(*map(interplays, pool)):
             break
         pool += _pool(features, max_world, min_world, avoid, COVER_SEED + extra, POOL // 4)
-    chosen = _greedy(pool)
-    found = Covering(
-        chosen,
+    return Covering(
+        _greedy(pool),
         set().union(*map(feature_pairs, pool)),
         set().union(*map(value_pairs, pool)),
         possible | set().union(*map(interplays, pool)),
     )
-    CACHE.mkdir(parents=True, exist_ok=True)
+
+
+def _save(found: Covering, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         json.dumps(
             {
-                "configs": [json.loads(c.to_json()) for c in chosen],
+                "configs": [json.loads(c.to_json()) for c in found.configs],
                 "feature_pairs": sorted(found.feature_pairs),
                 "value_pairs": sorted(found.value_pairs),
                 "interplays": sorted(found.interplays),
-            }
+            },
+            indent=0,
         )
+        + "\n"
     )
-    return found
 
 
 def _key(features: frozenset[str], max_world: int, min_world: int, avoid: tuple[frozenset[str], ...]) -> str:

@@ -73,6 +73,9 @@ class Group:
     undone: bool = False  # force-sum and unshard_in_backward set back (False / True) after being set
     unused_reduce: bool = False  # set_reduce_scatter_unused_params(True, recurse=False)
     separate_reduce: bool = False  # set_separate_reduce_scatter_group(True, recurse=False)
+    # the call takes the first half of a tied pair, the shared weight in its ignored_params: the calls
+    # above reach that weight through the other half and must leave it alone too
+    tied_half: bool = False
 
     @property
     def skips_backward_gather(self) -> bool:
@@ -109,6 +112,12 @@ class Step:
     # step and waited after it (the gathered params must be the stepped ones); the first step: "async"
     unshard_how: str = "async"
     reset_iter_state: bool = False  # the root's reset_iter_state() before the step (nothing in flight)
+    # a forward (with grad) raising as call i's first module finishes, caught, then the root's
+    # reset_iter_state() (FSDP2's recovery), before the step's own controls
+    fail: int | None = None
+    # a forward under torch.no_grad() after the step's controls: it leaves the root (and the calls
+    # not resharding after forward) gathered, so a state dict "before" loads into gathered groups
+    eval_forward: bool = False
     state_dict_at: str = ""  # "", "before" (forward), "between" (forward and backward), "after" (backward)
     zero_grad: str = "optimizer"  # "optimizer"; "module": HSDPModule.zero_grad(); "module zeros": (False)
     zero_held: bool = False  # HSDPModule.zero_grad() after the first, held-back micro-batch (drops it)
@@ -135,6 +144,9 @@ class Config:
     even: bool = False  # every sharded dim a multiple of the ranks (an implementation without uneven shards)
     init: str = ""  # "meta": built on the meta device, sharded, to_empty, rank 0's full state dict loaded
     cast: str = ""  # after sharding: "to" (model.to(torch.float64)) or "double" (model.double())
+    # what is gathered when the cast comes: "" nothing; "eval": a forward under torch.no_grad() just
+    # before (the root and the calls not resharding after forward stay gathered); "unshard": every call unshard()-ed
+    cast_gathered: str = ""
 
     # -- JSON -----------------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -237,7 +249,7 @@ class Config:
                 used.add("unshard_reshard")
                 if s.unshard_how == "across step":
                     used.add("unshard_across_step")
-            if s.reset_iter_state:
+            if s.reset_iter_state or s.fail is not None:
                 used.add("reset_iter_state")
             if s.state_dict_at:
                 used.add("dcp")
@@ -247,10 +259,19 @@ class Config:
                 used.add("forward_method")
         return used
 
+    def times_backward(self) -> bool:
+        """Whether L4 judges backward prefetch timing: each module's backward starts once, in the
+        reverse of the order forwards finish (no recompute, no list call, one param group per call,
+        every call gathered in backward, no registered method skipping the root's hooks)."""
+        return not (
+            checkpointed(self.body)
+            or any(len(g.paths) > 1 or g.placements or g.skips_backward_gather for g in self.groups)
+            or any(step.method != "forward" for step in self.steps)
+        )
+
     def coverage(self) -> dict[str, str]:
         """What was drawn, one value per option (the explorer's table of what came up)."""
         kinds = sorted(_kinds(self.body))
-        hooks = {g.hook_map for g in self.groups if g.hook}  # the maps its all-reduce hooks make
         return {
             "world size": str(self.world),
             "mesh": "x".join(map(str, self.mesh)),
@@ -262,7 +283,17 @@ class Config:
             "steps": str(len(self.steps)),
             "optimizer": self.optimizer,
             **{f"uses {name}": "yes" for name in sorted(self.features() - {"fully_shard"})},
-        } | ({"all-reduce hook": ",".join(sorted(hooks))} if hooks else {})
+        } | self._extra_options()
+
+    def _extra_options(self) -> dict[str, str]:
+        """The options drawn that are no feature of their own: the maps of the all-reduce hooks, and a
+        call on a tied half (``ignored_params_nested``: counted here, not as a feature, whose pairs
+        would cost the covering phase six more configurations)."""
+        extra = {"ignored params": "nested"} if any(g.tied_half for g in self.groups) else {}
+        hooks = {g.hook_map for g in self.groups if g.hook}
+        if hooks:
+            extra["all-reduce hook"] = ",".join(sorted(hooks))
+        return extra
 
 
 def _node(data: dict) -> Node:

@@ -110,15 +110,8 @@ class Timing:
             self.ctx.equal(label, self.storages.held(unit, shards), 0)
 
     def _times_backward(self) -> bool:
-        """Whether backward prefetch timing is judged: each module's backward starts once, in the
-        reverse of the order forwards finish (no recompute, no list call, one param group per call,
-        every call gathered in backward, no registered method skipping the root's hooks)."""
-        groups = self.config.groups
-        return not (
-            self.recompute
-            or any(len(g.paths) > 1 or g.placements or g.skips_backward_gather for g in groups)
-            or any(step.method != "forward" for step in self.config.steps)
-        )
+        """Whether backward prefetch timing is judged (``Config.times_backward``)."""
+        return self.config.times_backward()
 
     def _seen_backward_start(self, index: int, module_path: str) -> Callable[..., None]:
         """A backward pre-hook of one module of call ``index``: the elements all-gathered in this

@@ -1,4 +1,9 @@
-"""Expose registered cases as pytest tests named by the plan (``test_<plan name>``), marked by level."""
+"""Expose registered cases as pytest tests named by the plan (``test_<plan name>``), marked by level.
+
+L3's networks train at the plan's sizes for over two minutes on a 2-core machine: ``make test``
+runs the two cheapest (the LLM decoder and the ViT); the rest are marked ``slow`` and run in
+``make test-slow`` (with the L3 notebook through nbval) and in ``make sweep``.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ import pytest
 from tests.kit.judging.case import REGISTRY, Case
 from tests.kit.judging.verdict import judge_case
 from tests.kit.judging.verdict_store import shared
+
+L3_IN_MAKE_TEST = ("L3-02", "L3-04")  # the cheapest decoder and the ViT: a few seconds each
 
 
 def _test_for(case: Case) -> Callable[[Any], None]:
@@ -28,7 +35,8 @@ def _test_for(case: Case) -> Callable[[Any], None]:
 
     test.__name__ = case.name
     test.__doc__ = f"{case.id}: {case.name} ({case.world_size} ranks, {case.config})"
-    return getattr(pytest.mark, case.level)(test)
+    test = getattr(pytest.mark, case.level)(test)
+    return test if case.level != "L3" or case.id in L3_IN_MAKE_TEST else pytest.mark.slow(test)
 
 
 def export_cases(namespace: dict[str, Any], *case_modules: str) -> None:

@@ -195,6 +195,18 @@ def _store_client(spec: dict, timeout: timedelta) -> Any:
     return store
 
 
+def _forget_dtensor_specs() -> None:
+    """Clear DTensor's sharding caches (torch's C++ one and its Python one) before a run: they key specs
+    by value, so an equal mesh of an earlier run comes back from them with its process groups named as
+    that run's world numbered them, a group this run lacks or another one (found by a TP test on a
+    3-D mesh after one on a 2-D mesh: "Could not resolve the process group registered under the name 3")."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+
+
 def rank_entry(rank: int, spec: dict, fn_obj: Callable | None, args: tuple, kwargs: dict) -> Any:
     """Engine side of a run: join a fresh process group, call fn, always destroy the group."""
     import torch
@@ -226,6 +238,7 @@ def rank_entry(rank: int, spec: dict, fn_obj: Callable | None, args: tuple, kwar
     timeout = timedelta(seconds=spec["timeout"])
     try:
         bind(device_type, local_index)  # before the process group exists
+        _forget_dtensor_specs()
         ns["_last_run"]["determinism"] = deterministic(device_type)
         store = _store_client(spec, timeout)
         dist.init_process_group(

@@ -1,8 +1,8 @@
 """Extra L0 cases L0-FSDP2-*, from torch's own FSDP2 tests (issue 30): what a root is and what it owns.
 Two roots in one process iterate independently; a root's first forward takes a param the user
 registered again after ``fully_shard``; a root forward may take no inputs; what FSDP2 refuses to do to
-a sharded module (deep-copy it, shard it again, shard a container with no forward) is refused with
-FSDP2's exception types. Each trains against DDP for two steps.
+a sharded module (deep-copy it, shard it again, shard a container with no forward, a param shared by
+two separate calls at the first forward) is refused with FSDP2's exception types. Each trains against DDP for two steps.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tests.kit.judging.case import CaseContext, case
-from tests.kit.judging.checks import refused_with
+from tests.kit.judging.checks import device_type, refused_with
 from tests.kit.judging.recorder import CollectiveRecorder, record_collectives
 from tests.kit.judging.reference import ddp_of
 from tests.kit.judging.surface import impl
@@ -140,6 +140,29 @@ def _no_forward_inputs(ctx: CaseContext) -> None:
     train_against(ctx, model, ddp, batches, loss, ctx.tol, label="no forward inputs")
 
 
+class Tied(nn.Module):
+    """Two linears sharing one weight (a tied embedding and output head, in small)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(DIMS[0], DIMS[0], bias=False)
+        self.second = nn.Linear(DIMS[0], DIMS[0], bias=False)
+        self.second.weight = self.first.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+def _tied_in_two_calls(ctx: CaseContext) -> None:
+    """Each of two modules sharing a weight sharded by a call of its own, then their parent: the root's
+    first forward refuses it (two groups would train two untied copies), as FSDP2's lazy init does."""
+    tied = Tied()
+    for module in (tied.first, tied.second, tied):
+        impl.fully_shard(module, mesh=ctx.mesh)
+    x = torch.randn(2, DIMS[0], device=device_type())
+    refused_with(ctx, "first forward of a param sharded by two fully_shard calls", lambda: tied(x), ValueError)
+
+
 def _refusals(ctx: CaseContext) -> None:
     """What FSDP2 refuses for a sharded module, with FSDP2's exception types (HyperParallel's may be a
     subclass of both: a ValueError that is also the AssertionError)."""
@@ -149,6 +172,7 @@ def _refusals(ctx: CaseContext) -> None:
     refused_with(ctx, "fully_shard applied again", lambda: impl.fully_shard(model, mesh=ctx.mesh), AssertionError)
     container = nn.ModuleList([nn.Linear(4, 4)])
     refused_with(ctx, "fully_shard of a ModuleList (no forward)", lambda: impl.fully_shard(container), ValueError)
+    _tied_in_two_calls(ctx)
 
 
 @case(
@@ -160,7 +184,8 @@ def _refusals(ctx: CaseContext) -> None:
 )
 def first_forward(ctx: CaseContext) -> None:
     """A root's first forward: it shards a param the user registered again after fully_shard, it may take
-    no inputs, and a sharded module is neither deep-copied nor sharded again (FSDP2's refusals)."""
+    no inputs, and it refuses a param that two separate fully_shard calls shard; a sharded module is
+    neither deep-copied nor sharded again (FSDP2's refusals)."""
     _registered_again(ctx)
     _no_forward_inputs(ctx)
     _refusals(ctx)

@@ -53,6 +53,15 @@ def mesh_info_of(mesh: DeviceMesh) -> MeshInfo:
     )
 
 
+def with_tensor_parallel(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh of a param sharded over ``dp_mesh`` whose TP-local tensor is ``tp_mesh``'s: their dims,
+    dp's first, cut from the mesh both were cut from (FSDP2's 2-D or, under HSDP, 3-D layout): ``dp_mesh``'s,
+    since a DTensor's own mesh may be an equal one cut from another (torch caches specs by value)."""
+    root = dp_mesh._get_root_mesh()
+    names = (*dp_mesh.mesh_dim_names, *tp_mesh.mesh_dim_names)
+    return root if root.mesh_dim_names == names else root[names]
+
+
 def device_of(mesh: DeviceMesh) -> torch.device:
     """The compute device this rank uses for a mesh of the given device type."""
     return current_device(mesh.device_type)

@@ -15,6 +15,7 @@ recomputation) see the refilled data without re-registering anything.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.core.fully_shard.utils import CPUOffloadPolicy, MixedPrecisionPolicy
 
-from .mesh_info import MeshInfo
+from .mesh_info import MeshInfo, with_tensor_parallel
 
 ModuleSlot = tuple[nn.Module, str]
 
@@ -95,6 +96,18 @@ class RowLayout:
         return full.narrow(self.dim, min(rank * self.chunk, full.shape[self.dim]), self.rows[rank])
 
 
+_ORIGINAL_IDS = itertools.count()
+_ORIGINAL_ID_ATTR = "_hsdp_original_id"
+
+
+def original_id(param: torch.Tensor) -> int:
+    """A number naming the param object given to ``fully_shard``, kept on that object: two calls that
+    shard one object get the same number, where ``id()`` could be reused once a sharded-away param is freed."""
+    if not hasattr(param, _ORIGINAL_ID_ATTR):
+        setattr(param, _ORIGINAL_ID_ATTR, next(_ORIGINAL_IDS))
+    return getattr(param, _ORIGINAL_ID_ATTR)
+
+
 class HSDPParam:
     """A param of one group, placed ``Shard(dim)`` or ``Replicate()`` on the shard mesh dim."""
 
@@ -109,6 +122,7 @@ class HSDPParam:
         offload_to_cpu: CPUOffloadPolicy | None,
     ) -> None:
         self.slots = slots
+        self.original_id = original_id(param)  # the object sharded: two groups must not share it
         self.mesh_info = mesh_info
         self.device = device
         self.mp_policy = mp_policy
@@ -145,8 +159,9 @@ class HSDPParam:
     # -- tensor parallel -------------------------------------------------------------------
     def _init_tensor_parallel(self, param: nn.Parameter) -> None:
         """A DTensor param (tensor parallel on another mesh dim) is sharded by its TP-local
-        tensor; its sharded DTensor lives on the 2-D (dp, tp) mesh, and its compute param is
-        a DTensor on the TP mesh again, as the TP module expects."""
+        tensor; its sharded DTensor lives on the dp dims and the TP dim of their common mesh
+        (``(dp, tp)``, or ``(replicate, shard, tp)`` under HSDP), and its compute param is a
+        DTensor on the TP mesh again, as the TP module expects."""
         self.tp_mesh: DeviceMesh | None = None
         self.tp_placements: tuple[Placement, ...] = ()
         self.global_shape = param.shape
@@ -161,13 +176,13 @@ class HSDPParam:
     def _sharded_layout(self, placement: Placement) -> tuple[DeviceMesh, tuple[Placement, ...]]:
         if self.tp_mesh is None:
             return self.mesh_info.mesh, self.mesh_info.placements(placement)
-        root = self.tp_mesh._get_root_mesh()
         if isinstance(placement, Shard) and any(
             isinstance(p, Shard) and p.dim == placement.dim for p in self.tp_placements
         ):
             # dp splits rows that TP already split: dp's chunk lies inside TP's chunk
             placement = _StridedShard(placement.dim, split_factor=self.tp_mesh.size())
-        return root, (placement, *self.tp_placements)
+        mesh = with_tensor_parallel(self.mesh_info.mesh, self.tp_mesh)
+        return mesh, (*self.mesh_info.placements(placement), *self.tp_placements)
 
     # -- layout -------------------------------------------------------------------------
     def _shard_shape(self, rows: int) -> torch.Size:

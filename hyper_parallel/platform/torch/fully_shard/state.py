@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from enum import Enum, auto
 from typing import Any
 
@@ -308,6 +308,7 @@ class HSDPState:
     def _become_root(self) -> None:
         """First forward of a module no sharded ancestor has run: it is a root, its sharded
         descendants are not, and they take part in its iterations."""
+        self._refuse_params_in_two_groups()
         self.is_root = True
         for sub in self.module.modules():
             state = state_of(sub)
@@ -318,6 +319,30 @@ class HSDPState:
                 state.iteration = self.iteration
             if state.param_group is not None:
                 state.param_group.adopt_registered_params()
+
+    def _refuse_params_in_two_groups(self) -> None:
+        """A param object that two separate ``fully_shard`` calls under this root sharded would train as
+        two untied copies: refuse it (FSDP2's ValueError at its lazy init), before any state changes."""
+        seen: dict[int, str] = {}
+        for name, param in self._managed_params():
+            if param.original_id in seen:
+                raise ValueError(
+                    f"module: parameter {name!r} is {seen[param.original_id]!r}, a parameter already managed "
+                    "by another fully_shard group (separate fully_shard calls shard a tied param into two "
+                    "untied copies); shard the modules that share it in one call on their common parent"
+                )
+            seen[param.original_id] = name
+
+    def _managed_params(self) -> Iterator[tuple[str, HSDPParam]]:
+        """Every param the groups under this module manage, named from this module (its first slot)."""
+        prefixes = {id(sub): prefix for prefix, sub in self.module.named_modules()}
+        for sub in self.module.modules():
+            state = state_of(sub)
+            if state is None or state.param_group is None:
+                continue
+            for param in state.param_group.params:
+                module, attr = param.slots[0]
+                yield f"{prefixes[id(module)]}.{attr}".lstrip("."), param
 
     def prefetch(self) -> None:
         """Start this group's all-gather early (explicit prefetch by another module); in backward, not

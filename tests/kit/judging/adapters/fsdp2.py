@@ -14,7 +14,13 @@ FSDP2 instead holds the partial result back and leaves ``.grad`` unset until an 
 backward, a gradient-accumulation device), uneven shards on dims other than 0 (FSDP2 refuses them),
 and refusing every bad argument before any change
 (FSDP2 checks some, not all: ``CPUOffloadPolicy(pin_memory="yes")`` is accepted), and
-``set_gradient_scaling_factor`` (upstream HyperParallel's own). On a gloo process group it also
+``set_gradient_scaling_factor`` (upstream HyperParallel's own), and a param a nested call
+ignores left alone by the calls above it (FSDP2's ``ignored_params`` hold per call: a call above
+that reaches the param through a module it shares, a tied weight, shards it). Nor does it follow
+``module.to(dtype)`` / ``.double()`` after its lazy init (a first forward, or ``unshard()``): the
+sharded params are cast, the all-gathers keep the dtype of the lazy init, so the module computes in
+the old dtype (a plain ``nn.Linear`` raises on the mixed dtypes): a defect L4 found (replay
+d618ffc6b3, which ours passes), left out as a feature FSDP2 lacks. On a gloo process group it also
 lacks ``set_gradient_divide_factor`` without force-sum (see ``LACKING_ON_GLOO``).
 """
 
@@ -43,6 +49,8 @@ LACKING = {
     "argument_checks",
     "uneven_other_dims",
     "gradient_scaling_factor",
+    "ignored_params_nested",
+    "to_dtype_after_forward",
 }
 # Lacking on a gloo process group: FSDP2's set_gradient_divide_factor(f) without force-sum reduces
 # with ReduceOp.PREMUL_SUM(1/f) (_fsdp_collectives._get_gradient_divide_factors, any f but the shard
