@@ -366,8 +366,8 @@ MUTANTS: tuple[Mutant, ...] = (
         STATE,
         "root detection",
         "the first forward marks only direct children non-root: sharded grandchildren become roots too",
-        "        for sub in self.module.modules():\n",
-        "        for sub in self.module.children():\n",
+        "        self.is_root = True\n        for sub in self.module.modules():\n",
+        "        self.is_root = True\n        for sub in self.module.children():\n",
     ),
     Mutant(
         "36",
