@@ -1,27 +1,39 @@
 """Every assertion of the plan's L1-L3 rows is judged by at least one check of a real run of its
 case (``tests/kit/plan/``): a check renamed or dropped cannot leave a plan assertion unchecked
 while the case still passes. A device-only assertion may be not run, and only with the case's note
-saying so. In ``make test`` the runs are the notebooks' (``tests.kit.judging.verdict_store``)."""
+saying so. In ``make test`` the runs are the notebooks' (``tests.kit.judging.verdict_store``); the L3
+cases whose notebook is left to ``make test-slow`` are judged there too (``slow``), but the two
+``make test`` runs itself, once: the run here is shared with their case tests."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.kit.front.pytest_cases import L3_IN_MAKE_TEST
 from tests.kit.judging.case import Case, Check, load_plan_cases
 from tests.kit.judging.verdict import Verdict, judge_case
-from tests.kit.judging.verdict_store import shared
+from tests.kit.judging.verdict_store import share, shared
 from tests.kit.plan import PLAN, Assertion, base_id, judge
 
 PLANNED = sorted(c.id for c in load_plan_cases().values() if c.level in ("L1", "L2", "L3"))
+
+
+def _tiered(case_id: str) -> object:
+    """An L3 case's run is ``slow`` where ``make test`` leaves that case to ``make test-slow``."""
+    slow = case_id.startswith("L3") and case_id not in L3_IN_MAKE_TEST
+    return pytest.param(case_id, marks=pytest.mark.slow) if slow else case_id
 
 
 def test_every_case_of_the_plan_has_its_assertions_and_only_those():
     assert sorted({base_id(case_id) for case_id in PLANNED}) == sorted(PLAN)
 
 
-@pytest.mark.parametrize("case_id", PLANNED)
+@pytest.mark.parametrize("case_id", [_tiered(case_id) for case_id in PLANNED])
 def test_every_plan_assertion_is_judged_by_a_check(case_id, request):
-    verdict = shared(case_id, "") or judge_case(request.getfixturevalue("cluster"), case_id)
+    verdict = shared(case_id, "")
+    if verdict is None:
+        verdict = judge_case(request.getfixturevalue("cluster"), case_id)
+        share(verdict, "")  # the case's own test judges this run instead of running it again
     rows = judge(verdict)
     unjudged = [row.assertion.says for row in rows if row.status == "no check"]
     assert not unjudged, f"{case_id}: plan assertions no check judges: {unjudged}"

@@ -29,7 +29,7 @@ def _test_for(case: Case) -> Callable[[Any], None]:
         if verdict is None:
             verdict = judge_case(request.getfixturevalue("cluster"), case.id, isolate=isolate)
         else:
-            print(f"{case.id}: the verdict of this session's notebook run (nbval), judged here")
+            print(f"{case.id}: the verdict of this session's earlier run (notebook or plan fidelity), judged here")
         # our engine passes the extra checks too; another implementation is judged on the plan's
         verdict.assert_passed(extras=not implementation)
 
