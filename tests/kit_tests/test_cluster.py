@@ -24,6 +24,7 @@ import torch
 
 from tests.kit.runtime._watchdog import owned_processes, sweep
 from tests.kit.runtime.cluster import REPO_ROOT, RankCluster, RankFailure
+from tests.kit.runtime.engine_fork import load_time_environment
 from tests.kit_tests import _ranks_cluster as ranks
 
 
@@ -167,6 +168,9 @@ def test_engine_killed_between_runs_is_restarted(owned_cluster):
     assert owned_cluster.pids[1] != old_pid
 
 
+_HOW_IT_ENDED = {"exit": "(exit code 3)", "sigkill": "(killed by SIGKILL)", "segfault": "(killed by SIGSEGV)"}
+
+
 @pytest.mark.parametrize("how", ["exit", "sigkill", "segfault"])
 def test_dead_engine_named_and_restarted(owned_cluster, how):
     old_pid = owned_cluster.pids[1]
@@ -176,12 +180,30 @@ def test_dead_engine_named_and_restarted(owned_cluster, how):
     print(f"{how}: death reported after {failure.elapsed_s:.2f} s")
     assert failure.elapsed_s < 5
     assert f"rank 1 (engine pid {old_pid}) died" in str(failure)
+    assert _HOW_IT_ENDED[how] in failure.failures[1], failure.failures[1]  # told by a forked engine's zygote
     if how == "segfault":
         assert "Segmentation fault" in failure.failures[1]
     assert not _alive(old_pid)
     assert owned_cluster.pids[1] != old_pid
     assert owned_cluster.view(1).targets == 1  # engine id == rank survives the restart
     assert owned_cluster.run(ranks.trivial, 2) == [0, 1]
+
+
+def test_engines_are_forked_from_a_warm_parent_of_this_driver(owned_cluster):
+    """What makes starts and restarts cheap (``engine_fork.py``): every engine, restarted ones
+    too, is a child of a zygote of the engine role that this process started; none fell back to a
+    cold start."""
+    for pid in owned_cluster.pids:
+        parent = psutil.Process(pid).parent()
+        assert parent is not None and parent.ppid() == os.getpid(), f"engine {pid} was not forked by our zygote"
+        assert parent.cmdline()[-1] == "tests.kit.runtime.engine_fork", parent.cmdline()
+
+
+def test_engines_share_a_zygote_only_where_their_load_time_environments_match():
+    base = {"PATH": "/usr/bin", "OMP_NUM_THREADS": "2"}
+    run_time = {"HPKIT_OWNER": "a-1", "HPKIT_NODE": "node1", "IPP_CLUSTER_ID": "c", "ATEN_CPU_CAPABILITY": "default"}
+    assert load_time_environment({**base, **run_time}) == load_time_environment(base)
+    assert load_time_environment({**base, "OMP_NUM_THREADS": "1"}) != load_time_environment(base)
 
 
 def test_warm_overhead_under_one_second(cluster):
@@ -255,7 +277,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.slow
 def test_no_leftover_processes(tmp_path):
     """Driver SIGKILLed; the same without its watchdog (engines must see it alone);
     driver exiting without stop() (atexit); and `with` + stop()."""

@@ -40,7 +40,6 @@ def test_refused_features_are_unsupported_and_named():
     assert verdicts["L1-03"].origin["file"] == str(FAKES / "refusing" / "hyper_parallel" / "__init__.py")
 
 
-@pytest.mark.slow
 def test_state_kept_between_cases_is_reported_as_a_leak():
     with RankCluster.start(2, implementation=f"native:{FAKES / 'caching'}") as cluster:
         warm = {case_id: judge_case(cluster, case_id) for case_id in ("L0-02", "L1-03")}

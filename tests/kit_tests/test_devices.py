@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
 import torch
 
 from tests.kit.runtime import devices
@@ -54,7 +53,6 @@ def test_host_local_indices_group_ranks_by_host_in_rank_order():
     assert devices.host_local_indices(["x"]) == [0]
 
 
-@pytest.mark.slow
 def test_engines_on_two_machines_bind_by_their_host_local_index():
     """Four engines saying they are on two machines (HPKIT_NODE): ranks 0, 1 on node-a and 2, 3 on
     node-b bind to local devices 0, 1, 0, 1."""

@@ -5,9 +5,11 @@ Run as a script (never imported by engines):
 It is started in its own session, so signals aimed at the driver's process group do
 not reach it. Every process the cluster starts (controller and its helpers, engines,
 nannies, and whatever a rank function spawns) carries ``HPKIT_OWNER=TOKEN`` in its
-environment; on driver death (stdin EOF or the pid gone) or on a ``stop`` line from the
-driver, the watchdog SIGKILLs every process carrying that token, removes the files
-matching the GLOBs (the cluster's connection, log and stack files) and exits.
+environment, but an engine forked from a warm zygote (``engine_fork.py``) shows its zygote's
+start environment there: the driver names each one on a ``pid PID`` line. On driver death
+(stdin EOF or the pid gone) or on a ``stop`` line from the driver, the watchdog SIGKILLs every
+process carrying that token and every named one still running, removes the files matching the
+GLOBs (the cluster's connection, log and stack files) and exits.
 Only psutil and the standard library are imported, so it starts in well under a second.
 """
 
@@ -21,32 +23,35 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Iterable
 
 import psutil
 
 OWNER_ENV = "HPKIT_OWNER"
 
 
-def owned_processes(token: str) -> list[psutil.Process]:
-    """Processes of this user whose environment carries OWNER_ENV=token (never this one)."""
-    found = []
+def owned_processes(token: str, named: Iterable[psutil.Process] = ()) -> list[psutil.Process]:
+    """Processes of this user whose environment carries OWNER_ENV=token (never this one), and
+    those of ``named`` still running (the same process: psutil checks its start time)."""
+    found = [proc for proc in named if _running(proc)]
     me = os.getpid()
     for proc in psutil.process_iter():
         if proc.pid == me:
             continue
         try:
-            if proc.environ().get(OWNER_ENV) == token:
+            if proc.environ().get(OWNER_ENV) == token and proc not in found:
                 found.append(proc)
         except (psutil.Error, OSError):
             continue
     return found
 
 
-def sweep(token: str, rounds: int = 5) -> int:
+def sweep(token: str, rounds: int = 5, named: Iterable[psutil.Process] = ()) -> int:
     """SIGKILL every owned process until none is left (bounded); return how many were killed."""
     killed = 0
+    named = list(named)
     for _ in range(rounds):
-        procs = owned_processes(token)
+        procs = owned_processes(token, named)
         if not procs:
             break
         for proc in procs:
@@ -83,6 +88,7 @@ def main(argv: list[str]) -> int:
     except psutil.Error:
         driver = None
     stdin = sys.stdin
+    named: list[psutil.Process] = []  # forked engines: their environment does not show the token
     while _driver_alive(driver):
         ready, _, _ = select.select([stdin], [], [], 0.5)
         if not ready:
@@ -92,9 +98,12 @@ def main(argv: list[str]) -> int:
             break
         if line.strip() == "stop":
             break
-    sweep(token)
+        if line.startswith("pid "):
+            with contextlib.suppress(ValueError, psutil.Error):
+                named.append(psutil.Process(int(line.split()[1])))
+    sweep(token, named=named)
     time.sleep(0.2)
-    sweep(token, rounds=2)
+    sweep(token, rounds=2, named=named)
     for pattern in argv[3:]:
         for path in glob.glob(pattern):
             if os.path.isdir(path):

@@ -27,8 +27,11 @@ its Python stack or its death; ranks still running are interrupted (SIGINT) and,
 does not free them, killed and restarted with the same engine id, so the next run works
 (``tests.kit.runtime.engines``). ``renew()`` replaces every engine by a fresh one (case isolation).
 
+Engines are forked from a warm parent that imported ipyparallel's engine and torch once per
+driver (``tests.kit.runtime.engine_fork``): a start or restart skips their imports.
+
 Leftovers: ``stop()``, interpreter exit (atexit) and a driver killed outright all leave no
-process behind: engines poll their parent and kill their own process group when it is gone,
+process behind: engines poll their driver and kill their own process group when it is gone,
 and a watchdog process SIGKILLs every process of the cluster when the driver dies.
 """
 
@@ -53,10 +56,10 @@ from tests.kit.runtime.diagnosis import (
     completed_at,
     error_line,
     error_parts,
-    exit_text,
     format_remote_error,
     task_output,
 )
+from tests.kit.runtime.engine_fork import ForkedEngineSetLauncher
 from tests.kit.runtime.engines import (
     OWNER_ENV,
     REPO_ROOT,
@@ -133,7 +136,8 @@ class RankCluster:
         cluster_kwargs: dict[str, Any] = {
             "cluster_id": f"hpkit-{token}",
             "n": n_engines,
-            "engines": "local",
+            # engines forked from a warm zygote when they can be (engine_fork.py), else started cold
+            "engines": ForkedEngineSetLauncher,
             "controller": "local",
             "log_level": 40,  # we report dead engines ourselves; ipyparallel would dump their logs
             # registration waits for a heartbeat: 0.5 s instead of 3 s makes startup ~4 s
@@ -160,9 +164,10 @@ class RankCluster:
             cluster.start_controller_sync(environment=dict(env))
             per_rank = engine_env if callable(engine_env) else None
             for r in range(n_engines):  # launch first: engines start while the client connects
-                launch_engine(cluster, r, {**env, **(per_rank(r) if per_rank else {})})
+                launch_engine(cluster, r, {**env, **(per_rank(r) if per_rank else {})}, watchdog)
             client = cluster.connect_client_sync()
             pool = EnginePool(client, cluster, stack_dir, env, startup_timeout, implementation, per_rank)
+            pool.watchdog = watchdog
             rc = cls(pool, token=token, watchdog=watchdog, own_stack_dir=True)
             rc.leftover_globs = leftovers
             pool.launch_and_boot(list(range(n_engines)), launched=True)
@@ -383,14 +388,14 @@ class RankCluster:
                     if exc is None:
                         results[r] = ar.get()
                     elif getattr(exc, "ename", type(exc).__name__) == "EngineError":
-                        dead[r] = exit_text(self.pool.engines[r].proc)  # the nanny saw it die
+                        dead[r] = self.pool.exit_text(r)  # the nanny saw it die
                         failed = True
                     else:
                         errors[r] = exc
                         failed = True
                 elif not self.pool.alive(r):
                     pending.discard(r)
-                    dead[r] = exit_text(self.pool.engines[r].proc)
+                    dead[r] = self.pool.exit_text(r)
                     failed = True
             if failed and limit == deadline:
                 limit = min(deadline, time.monotonic() + _PEER_GRACE_S)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import re
 import signal
+import time
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -135,14 +137,12 @@ def tail(path: str, lines: int = 12) -> str:
         return ""
 
 
-def exit_text(proc: psutil.Process | None) -> str:
-    """' (exit code N)' / ' (killed by SIGX)' for a dead child, '' when unknown."""
-    if proc is None:
-        return ""
-    try:
-        code = proc.wait(timeout=0)
-    except (psutil.Error, ChildProcessError, OSError):
-        return ""
+def exit_text(proc: psutil.Process | None, status_file: str = "") -> str:
+    """' (exit code N)' / ' (killed by SIGX)' for a dead child, or a dead process whose exit code
+    its parent wrote to ``status_file`` (a forked engine's zygote); '' when unknown."""
+    code = _child_exit_code(proc)
+    if code is None and status_file:
+        code = _recorded_exit_code(status_file)
     if code is None:
         return ""
     if code < 0:
@@ -151,6 +151,27 @@ def exit_text(proc: psutil.Process | None) -> str:
         except ValueError:
             return f" (killed by signal {-code})"
     return f" (exit code {code})"
+
+
+def _child_exit_code(proc: psutil.Process | None) -> int | None:
+    """Exit code of a dead child process (None: still running, not ours, or unknown)."""
+    if proc is None:
+        return None
+    try:
+        return proc.wait(timeout=0)
+    except (psutil.Error, ChildProcessError, OSError):
+        return None
+
+
+def _recorded_exit_code(path: str, within: float = 1.0) -> int | None:
+    """The exit code written to ``path``, waiting up to ``within`` seconds for its writer."""
+    end = time.monotonic() + within
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            return int(Path(path).read_text())
+        if time.monotonic() > end:
+            return None
+        time.sleep(0.02)
 
 
 def task_output(ar: Any) -> str:

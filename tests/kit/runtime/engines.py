@@ -25,8 +25,9 @@ from typing import Any
 
 import psutil
 
-from tests.kit.runtime.diagnosis import RankFailure, format_stack, tail, task_output
+from tests.kit.runtime.diagnosis import RankFailure, exit_text, format_stack, tail, task_output
 from tests.kit.runtime.rank_runtime import engine_boot
+from tests.kit.runtime.zygote import exit_status_file
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 OWNER_ENV = "HPKIT_OWNER"  # token in the environment of every process a started cluster owns
@@ -112,6 +113,7 @@ class EnginePool:
         self.implementation = implementation
         self.engines: dict[int, Engine] = {}
         self.views: dict[int, Any] = {}
+        self.watchdog: subprocess.Popen | None = None  # told each engine's pid (started clusters)
 
     def env_of(self, rank: int) -> dict[str, str]:
         """The environment the engine of ``rank`` starts with."""
@@ -124,7 +126,7 @@ class EnginePool:
         if launched:
             pids = {r: engine_set_pid(self.cluster, r) for r in ranks}
         else:
-            pids = {r: launch_engine(self.cluster, r, self.env_of(r)) for r in ranks}
+            pids = {r: launch_engine(self.cluster, r, self.env_of(r), self.watchdog) for r in ranks}
         in_use = {eng.eid for r, eng in self.engines.items() if r not in ranks}
         mapping = self._await_engines(pids, in_use, deadline)
         self.boot(mapping, deadline=deadline)
@@ -289,12 +291,22 @@ class EnginePool:
             with contextlib.suppress(Exception):
                 self.client.send_signal(signal.SIGINT, targets=remote, block=False)
 
-    def log_tail(self, rank: int) -> str:
-        """Tail of the launcher's log file for this rank's engine (started clusters only)."""
+    def log_path(self, rank: int) -> str:
+        """The launcher's log file of this rank's engine ('' for a joined cluster)."""
         if self.cluster is None:
             return ""
-        path = os.path.join(self.cluster.profile_dir, "log", f"ipengine-{self.cluster.cluster_id}-rank{rank}-0.log")
-        return tail(path)
+        return os.path.join(self.cluster.profile_dir, "log", f"ipengine-{self.cluster.cluster_id}-rank{rank}-0.log")
+
+    def log_tail(self, rank: int) -> str:
+        """Tail of the launcher's log file for this rank's engine (started clusters only)."""
+        return tail(self.log_path(rank)) if self.cluster is not None else ""
+
+    def exit_text(self, rank: int) -> str:
+        """How the engine of a dead rank ended, ' (exit code N)' / ' (killed by SIGX)', or '' when
+        unknown (a forked engine's zygote writes it beside the engine's log)."""
+        eng = self.engines[rank]
+        status_file = exit_status_file(self.log_path(rank), eng.pid) if self.cluster is not None else ""
+        return exit_text(eng.proc, status_file)
 
     def settle(
         self,
@@ -341,8 +353,9 @@ def _left(deadline: float) -> float:
     return max(0.1, deadline - time.monotonic())
 
 
-def launch_engine(cluster: Any, rank: int, env: dict[str, str]) -> int:
-    """Start the engine of one rank as engine set 'rank<i>' requesting engine id i; its pid."""
+def launch_engine(cluster: Any, rank: int, env: dict[str, str], watchdog: subprocess.Popen | None = None) -> int:
+    """Start the engine of one rank as engine set 'rank<i>' requesting engine id i; its pid (named
+    to the cluster's ``watchdog``: a forked engine's environment does not show its owner)."""
     cluster.start_engines_sync(
         1,
         engine_set_id=f"rank{rank}",
@@ -354,7 +367,12 @@ def launch_engine(cluster: Any, rank: int, env: dict[str, str]) -> int:
             "--IPEngine.startup_command=__import__('torch.distributed')",
         ],
     )
-    return engine_set_pid(cluster, rank)
+    pid = engine_set_pid(cluster, rank)
+    if watchdog is not None and pid > 0:
+        with contextlib.suppress(OSError, ValueError):
+            watchdog.stdin.write(f"pid {pid}\n")
+            watchdog.stdin.flush()
+    return pid
 
 
 def engine_set_pid(cluster: Any, rank: int) -> int:

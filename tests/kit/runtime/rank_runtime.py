@@ -25,6 +25,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import psutil
+
 IMPLEMENTATION_ENV = "HPKIT_IMPLEMENTATION"  # the implementation under test (see tests.kit.judging.surface)
 NODE_ENV = "HPKIT_NODE"  # the machine an engine says it is on, for device binding
 
@@ -49,9 +51,21 @@ def keep(**objects: Any) -> None:
     _user_ns().update(objects)
 
 
+def _started_by(driver_pid: int) -> bool:
+    """Whether the driver started this engine: its parent, or the parent of the warm zygote this
+    engine was forked from (``engine_fork``); false once either is gone."""
+    parent = os.getppid()
+    if parent == driver_pid:
+        return True
+    try:
+        return psutil.Process(parent).ppid() == driver_pid
+    except psutil.Error:
+        return False
+
+
 def _watch_parent(driver_pid: int) -> None:
-    """Engine thread: kill this engine's process group once the driver (our parent) is gone."""
-    while os.getppid() == driver_pid:
+    """Engine thread: kill this engine's process group once the driver that started it is gone."""
+    while _started_by(driver_pid):
         time.sleep(0.5)
     if os.getpgrp() == os.getpid():
         os.killpg(os.getpid(), signal.SIGKILL)
@@ -90,7 +104,7 @@ def engine_boot(
     os.chdir(repo_root)
     _set_implementation(implementation)
     path = _stack_file(stack_dir)
-    if driver_pid and os.getppid() == driver_pid and not _ENGINE_STATE.get("watchdog"):
+    if driver_pid and _started_by(driver_pid) and not _ENGINE_STATE.get("watchdog"):
         thread = threading.Thread(target=_watch_parent, args=(driver_pid,), name="hpkit-driver-watch", daemon=True)
         thread.start()
         _ENGINE_STATE["watchdog"] = thread

@@ -44,7 +44,7 @@ class Runner:
     pages rendered in the background while the next case runs."""
 
     kernel: str = KERNEL
-    zygote: Any = None  # tests.kit.sweep.kernel_fork.Zygote, or None: kernels start the ordinary way
+    zygote: Any = None  # tests.kit.runtime.zygote.Zygote (kernel_fork's role), or None: kernels start the ordinary way
     log: IO[Any] | None = None  # kernel output of ordinary starts (None: the terminal)
     ahead: bool = False  # start the next notebook's kernel while this one runs
     pages: ThreadPoolExecutor | None = None  # None: render each page before run_one returns

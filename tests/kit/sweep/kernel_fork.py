@@ -1,29 +1,24 @@
 """Fresh Jupyter kernels for the sweep without paying their imports: forked from a warm parent.
 
 A kernel of the level notebooks spends most of its start importing Python, IPython, torch,
-the kit (with every plan case) and matplotlib. The sweep starts one *zygote* process that has
-imported all of that (and nothing else: no threads, no sockets), and forks it once per case;
-the child becomes an ordinary ``ipykernel`` kernel on the connection file jupyter_client wrote.
+the kit (with every plan case) and matplotlib. The sweep starts one *zygote* of this role
+(``tests.kit.runtime.zygote``) that has imported all of that, and forks it once per case; the
+child becomes an ordinary ``ipykernel`` kernel on the connection file jupyter_client wrote.
 Every case still gets a kernel process of its own that runs the notebook's cells from the
 first, so its executed notebook is what plain ``papermill`` writes: only the module cache is
 warm.
 
-    with Zygote.start(log) as zygote:
+    with kernel_zygote(log) as zygote:
         km = start_kernel("hyper-parallel-kit", cwd, zygote=zygote)   # None: an ordinary start
         papermill.execute_notebook(..., km=km)
         stop_kernel(km)
-
-No process is left behind: the zygote exits when its stdin closes (the sweep ended or died),
-and each kernel it forked gets SIGKILL from the OS when the zygote goes (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import json
 import os
-import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -35,7 +30,8 @@ from jupyter_client.manager import AsyncKernelManager
 from jupyter_client.provisioning import LocalProvisioner
 from jupyter_core.utils import run_sync
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+from tests.kit.runtime.zygote import Zygote
+
 # Not matplotlib_inline.backend_inline: importing it hooks figures into the running IPython shell,
 # and the zygote has none (a kernel forked after it would never show a figure).
 WARM_MODULES = (
@@ -49,133 +45,25 @@ WARM_MODULES = (
     "matplotlib.pyplot",
 )
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"  # what ipykernel sets before matplotlib loads
-_PR_SET_PDEATHSIG = 1
-_READY_TIMEOUT_S = 120.0
-_FORK_TIMEOUT_S = 10.0
 
 
-class Zygote:
-    """The warm parent process the sweep's kernels are forked from."""
-
-    def __init__(self, proc: subprocess.Popen) -> None:
-        """Internal: use Zygote.start()."""
-        self.proc = proc
-        self.warm_seconds: float | None = None  # what the imports took once, instead of once per kernel
-
-    @classmethod
-    def start(cls, stderr: IO[Any] | None = None, python: str = sys.executable, wait: bool = True) -> Zygote:
-        """Start the zygote with ``python``; with ``wait``, wait (bounded) until its imports are done
-        (else the first fork waits: the sweep starts its cluster meanwhile)."""
-        env = dict(os.environ)
-        env.setdefault("MPLBACKEND", INLINE_BACKEND)
-        env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # the debugger's note on frozen modules
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
-        proc = subprocess.Popen(
-            [python, "-c", "from tests.kit.sweep.kernel_fork import serve; serve()"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            cwd=str(REPO_ROOT),
-            env=env,
-        )
-        zygote = cls(proc)
-        if wait:
-            zygote.wait_ready()
-        return zygote
-
-    def wait_ready(self) -> None:
-        """Wait (bounded) until the zygote has imported everything; raise if it failed."""
-        if self.warm_seconds is None:
-            try:
-                self.warm_seconds = _read_reply(self.proc, _READY_TIMEOUT_S)["seconds"]
-            except BaseException:
-                self.stop()
-                raise
-
-    def fork(self, connection_file: str, cwd: str, env: dict[str, str]) -> int:
-        """Fork a kernel on ``connection_file`` (working in ``cwd``, with ``env``); its pid."""
-        self.wait_ready()
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"the kernel zygote exited ({self.proc.returncode})")
-        request = {"connection_file": connection_file, "cwd": cwd, "env": env}
-        self.proc.stdin.write((json.dumps(request) + "\n").encode())
-        self.proc.stdin.flush()
-        return int(_read_reply(self.proc, _FORK_TIMEOUT_S)["pid"])
-
-    def stop(self) -> None:
-        """End the zygote (its kernels die with it)."""
-        _end(self.proc)
-
-    def __enter__(self) -> Zygote:
-        """Context manager: the zygote itself."""
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        """Context manager exit: stop()."""
-        self.stop()
+def kernel_zygote(stderr: IO[Any] | None = None, wait: bool = True) -> Zygote:
+    """The sweep's kernel zygote (its output to ``stderr``, the sweep's log); with ``wait``, once
+    its imports are done (else the first fork waits: the sweep starts its cluster meanwhile)."""
+    env = dict(os.environ)
+    env.setdefault("MPLBACKEND", INLINE_BACKEND)
+    return Zygote.start(__name__, env=env, stderr=stderr, wait=wait)
 
 
-def _end(proc: subprocess.Popen) -> None:
-    """Close the zygote's stdin (it exits), then make sure it is gone."""
-    with contextlib.suppress(OSError):
-        proc.stdin.close()
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=5)
-    with contextlib.suppress(OSError):
-        proc.stdout.close()
-
-
-def _read_reply(proc: subprocess.Popen, timeout: float) -> dict[str, Any]:
-    """One JSON line from the zygote, waiting at most ``timeout`` seconds."""
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    line = proc.stdout.readline() if ready else b""
-    if not line:
-        raise RuntimeError(
-            f"the kernel zygote did not answer within {timeout:g} s (exit status {proc.poll()}); see the sweep log"
-        )
-    reply = json.loads(line)
-    if "error" in reply:
-        raise RuntimeError(f"the kernel zygote failed: {reply['error']}")
-    return reply
-
-
-# -- the zygote process ---------------------------------------------------------------------------
-def serve() -> None:
-    """Zygote main: import the warm modules, then fork one kernel per request line on stdin."""
-    started = time.monotonic()
-    import importlib
-
-    for name in WARM_MODULES:
-        importlib.import_module(name)
-    from tests.kit.front.notebook import load_plan_cases
-
-    load_plan_cases()
-    _warm_matplotlib()
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # anything else printed goes where stderr goes (the sweep's log)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernels are reaped by the OS
-    out.write(json.dumps({"ready": True, "seconds": round(time.monotonic() - started, 3)}) + "\n")
-    for line in sys.stdin:
-        try:
-            request = json.loads(line)
-            pid = os.fork()
-        except Exception as exc:  # noqa: BLE001 - the sweep falls back to ordinary kernels
-            out.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
-            continue
-        if pid == 0:
-            out.close()  # the zygote's answers are not the kernel's to write
-            _become_kernel(request, parent=os.getppid())
-        out.write(json.dumps({"pid": pid}) + "\n")
-
-
-def _warm_matplotlib() -> None:
-    """Draw one log-scale figure off screen: fonts and the mathtext parser are cached for every fork."""
+def warm_up() -> None:
+    """Zygote role, once after the imports: the plan's cases loaded, one figure drawn off screen
+    (fonts and the mathtext parser are cached for every fork)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    from tests.kit.front.notebook import load_plan_cases
+
+    load_plan_cases()
     fig = Figure(figsize=(2, 2))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -186,42 +74,15 @@ def _warm_matplotlib() -> None:
     fig.canvas.draw()
 
 
-def _become_kernel(request: dict[str, Any], parent: int) -> None:
-    """Fork child: detach from the zygote's pipes and run an ipykernel on the connection file."""
-    code = 1
-    try:
-        os.setsid()  # its own process group: interrupts and kills reach it and its children
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the zygote died between fork and prctl
-            os._exit(1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.close(devnull)
-        sys.stdin = open(0, closefd=False)  # noqa: SIM115 - fd 0 lives as long as the process
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.chdir(request["cwd"])
-        sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # as ipykernel_launcher does
-        sys.argv = ["ipykernel_launcher", "-f", request["connection_file"]]
-        if request["env"].get("JPY_PARENT_PID"):  # read by ipykernel at import time, in the zygote
-            sys.argv.append(f"--IPKernelApp.parent_handle={request['env']['JPY_PARENT_PID']}")
-        from ipykernel.kernelapp import IPKernelApp
+def become(request: dict[str, Any]) -> None:
+    """Zygote role, in the forked child: an ipykernel on ``request["connection_file"]``."""
+    sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # as ipykernel_launcher does
+    sys.argv = ["ipykernel_launcher", "-f", request["connection_file"]]
+    if request["env"].get("JPY_PARENT_PID"):  # read by ipykernel at import time, in the zygote
+        sys.argv.append(f"--IPKernelApp.parent_handle={request['env']['JPY_PARENT_PID']}")
+    from ipykernel.kernelapp import IPKernelApp
 
-        IPKernelApp.launch_instance(argv=sys.argv[1:])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # noqa: BLE001 - print it to the log, then leave without the zygote's atexit
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+    IPKernelApp.launch_instance(argv=sys.argv[1:])
 
 
 # -- jupyter_client side --------------------------------------------------------------------------
@@ -280,7 +141,8 @@ class ForkedProvisioner(LocalProvisioner):
         cwd = str(kwargs.get("cwd") or Path.cwd())
         env = dict(kwargs.get("env") or os.environ)
         env["JPY_PARENT_PID"] = str(os.getpid())  # as jupyter_client's launcher sets it: the kernel polls us
-        pid = self.zygote.fork(connection_file, cwd, env)
+        request = {"connection_file": connection_file, "cwd": cwd, "env": env, "title": shlex.join(cmd)}
+        pid = self.zygote.fork(request)
         self.process = _ForkedProcess(pid)
         self.pid = self.pgid = pid  # the child leads its own session
         self.cwd = cwd

@@ -270,7 +270,7 @@ def _sweep(
 ) -> int:
     from tqdm import tqdm
 
-    from tests.kit.sweep.kernel_fork import Zygote
+    from tests.kit.sweep.kernel_fork import kernel_zygote
 
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
@@ -284,7 +284,7 @@ def _sweep(
         try:
             if not args.plain_kernels:
                 try:  # its imports run while the first cluster starts
-                    runner.zygote = Zygote.start(stderr=log, wait=False)
+                    runner.zygote = kernel_zygote(stderr=log, wait=False)
                 except OSError as exc:
                     bar.write(f"kernels start the ordinary way (no zygote: {exc})")
             done = 0
