@@ -277,6 +277,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_no_leftover_processes(tmp_path):
     """Driver SIGKILLed; the same without its watchdog (engines must see it alone);
     driver exiting without stop() (atexit); and `with` + stop()."""

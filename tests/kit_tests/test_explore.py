@@ -96,6 +96,7 @@ class _PassingCluster(_FakeCluster):
         return [{"checks": [{**check, "passed": True}], "series": {}, "figures": {}, "notes": []}] * world
 
 
+@pytest.mark.slow
 def test_keep_going_lists_each_distinct_failure_shrunk_once(tmp_path):
     from tests.kit.explore.survey import explore_all
 

@@ -20,6 +20,7 @@ import atexit
 import os
 import shlex
 import sys
+import warnings
 from typing import Any
 
 import psutil
@@ -47,7 +48,7 @@ RUN_TIME_VARIABLES = (
     # tests' zygote and still compute otherwise (test_the_notebooks_engines_really_compute_otherwise)
     "ATEN_CPU_CAPABILITY",
 )
-_MAX_ZYGOTES = 2  # a driver judging with two arithmetics keeps both warm
+_MAX_ZYGOTES = 2  # idle ones beyond it are stopped (each holds torch's modules: ~400 MB)
 _ZYGOTES: dict[frozenset[tuple[str, str]], Zygote] = {}
 
 
@@ -78,14 +79,29 @@ def zygote_for(env: dict[str, str]) -> Zygote | None:
     if zygote is not None and zygote.alive:
         return zygote
     _ZYGOTES.pop(key, None)
-    while len(_ZYGOTES) >= _MAX_ZYGOTES:
-        _ZYGOTES.pop(next(iter(_ZYGOTES))).stop()
+    _stop_idle_zygotes(keep=_MAX_ZYGOTES - 1)
     try:
         zygote = Zygote.start(__name__, env=dict(key))
-    except RuntimeError:
-        return None  # e.g. an import failed: engines start cold and say why in their own logs
+    except RuntimeError as exc:  # e.g. an import failed in it: engines start cold, slower
+        warnings.warn(f"engines start cold: {exc}", RuntimeWarning, stacklevel=2)
+        return None
     _ZYGOTES[key] = zygote
     return zygote
+
+
+def _stop_idle_zygotes(keep: int) -> None:
+    """Stop the oldest zygotes without a living engine until ``keep`` are left (or only busy ones:
+    a zygote's engines die with it)."""
+    for key, zygote in list(_ZYGOTES.items()):
+        if len(_ZYGOTES) <= keep:
+            return
+        try:
+            busy = bool(psutil.Process(zygote.proc.pid).children())
+        except psutil.Error:
+            busy = False
+        if not busy:
+            del _ZYGOTES[key]
+            zygote.stop()
 
 
 def forget_zygote(zygote: Zygote) -> None:
