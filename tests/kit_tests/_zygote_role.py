@@ -20,4 +20,6 @@ def become(request: dict[str, Any]) -> None:
         os._exit(3)
     if how == "sigterm":
         os.kill(os.getpid(), signal.SIGTERM)
+    if how == "sigint":  # KeyboardInterrupt where SIGINT is handled as usual; ignored, it sleeps on
+        os.kill(os.getpid(), signal.SIGINT)
     time.sleep(120)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -45,6 +46,22 @@ def test_a_child_runs_as_its_request_says_and_its_end_is_recorded(zygote, tmp_pa
     assert _recorded(log, pid) == code
     printed = json.loads(log.read_text().splitlines()[0])
     assert printed == {"sid": pid, "pid": pid, "cwd": str(tmp_path), "var": "child"}  # its own session
+
+
+def test_an_interrupt_leaves_the_zygote_serving_and_quiet_and_reaches_its_children(tmp_path):
+    """Interrupting a Jupyter kernel signals its process group: the zygote (the warm cluster's
+    engines die with it) is not in it, and SIGINT sent to it anyway is ignored, with no traceback;
+    a child still takes SIGINT as a KeyboardInterrupt."""
+    err = tmp_path / "zygote.err"
+    with err.open("w") as stderr, Zygote.start(ROLE, stderr=stderr) as zygote:
+        assert os.getpgid(zygote.proc.pid) != os.getpgid(0)
+        os.kill(zygote.proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert zygote.alive
+        pid, log = _fork(zygote, tmp_path, "sigint")
+        assert _recorded(log, pid) == "1"
+        assert "KeyboardInterrupt" in log.read_text()
+    assert "KeyboardInterrupt" not in err.read_text()
 
 
 def test_children_die_with_their_zygote(tmp_path):

@@ -17,7 +17,9 @@ child; ``request`` is the JSON object the driver sent). Roles: ``tests.kit.runti
 A child is not its driver's child, so the zygote reaps it, and writes its exit code to
 ``exit_status_file(status_prefix, pid)`` when the request named a prefix (how an engine died).
 No process is left behind: the zygote exits when its stdin closes (its driver stopped it or died),
-and each child gets SIGKILL from the OS when the zygote goes (``PR_SET_PDEATHSIG``).
+and each child gets SIGKILL from the OS when the zygote goes (``PR_SET_PDEATHSIG``). An interrupt
+is not an end: the zygote runs in a session of its own and ignores SIGINT (interrupting a kernel in
+Jupyter signals its whole process group), while its children take SIGINT as usual.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class Zygote:
             stderr=stderr,
             cwd=str(REPO_ROOT),
             env=env,
+            start_new_session=True,  # an interrupt of the driver's group (Jupyter's, a terminal's) is not its
         )
         zygote = cls(proc, role)
         if wait:
@@ -144,6 +147,7 @@ class Zygote:
 def serve() -> None:
     """Zygote main (``sys.argv[1]``: the role): import the role's warm modules, then fork one child
     per request line on stdin until stdin closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a server: it ends when its stdin closes, not on ^C
     started = time.monotonic()
     role = importlib.import_module(sys.argv[1])
     for name in role.WARM_MODULES:
@@ -211,6 +215,7 @@ def _become(role: Any, request: dict[str, Any], parent: int) -> NoReturn:
         if os.getppid() != parent:  # the zygote died between fork and prctl
             os._exit(1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # interrupts reach kernels and engines
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         _redirect(0, os.devnull, os.O_RDONLY)
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 - fd 0 lives as long as the process
