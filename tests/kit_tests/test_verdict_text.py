@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import nbformat
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,21 +23,30 @@ from tests.kit.judging.case import Case
 from tests.kit.judging.checks import CaseContext
 from tests.kit.judging.verdict import Verdict
 
-SANITIZE = get_sanitize_patterns((Path(__file__).resolve().parents[2] / "notebooks" / "nbval_sanitize.cfg").read_text())
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+SANITIZE = get_sanitize_patterns((NOTEBOOKS / "nbval_sanitize.cfg").read_text())
 CASE = Case("L1-99", "test_text", 2, {"dp": 2}, "FSDP 1D fp32", body=lambda ctx: None)
 TOLS = (1e-6, 1e-5, 1e-3)
 finite = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False)
 fraction = st.floats(0.0, 1.0)
 
 
-def sanitized(text: str) -> str:
-    for regex, replace in SANITIZE:
+# What the recorded text may hold besides verdicts: the masked error. A fraction a passing check
+# saw is not printed at all (a reader of the notebook sees no digits of this machine's arithmetic).
+ERR_ONLY = [(regex, replace) for regex, replace in SANITIZE if regex.startswith("err=")]
+# A float printed whole (its repr): what the recorded outputs must not hold outside err=.
+RAW_FLOAT = re.compile(r"\d\.\d{5,}")
+
+
+def sanitized(text: str, patterns: list = SANITIZE) -> str:
+    for regex, replace in patterns:
         text = re.sub(regex, replace, text)
     return text
 
 
-def render(records: list) -> str:
-    """Record ``(kind, name, values)`` on a context (rank 0 and rank 1), render the verdict, sanitize."""
+def render(records: list, patterns: list = SANITIZE) -> str:
+    """Record ``(kind, name, values)`` on a context (rank 0 and rank 1), render the verdict, sanitize
+    with ``patterns`` (by default nbval's)."""
     verdict = Verdict(CASE)
     for rank in (0, 1):
         ctx = CaseContext(CASE, rank, 2)
@@ -43,7 +54,7 @@ def render(records: list) -> str:
             _record(ctx, kind, name, values[rank])
         verdict.checks.extend(ctx.checks)
     verdict.checks.sort(key=lambda c: (c.name, c.rank))
-    return sanitized(verdict_text(verdict))
+    return sanitized(verdict_text(verdict), patterns)
 
 
 def _record(ctx: CaseContext, kind: str, name: str, v: dict) -> None:
@@ -157,8 +168,58 @@ def test_the_text_keeps_what_the_checks_decide():
     )
     assert "pass  all-gather dtype  = ['torch.bfloat16']" in text
     assert "pass  reduce-scatters  = 3" in text
-    assert "pass  loss finite  <seen>" in text and "4.2189" not in text
+    assert "pass  loss finite\n" in text and "4.2189" not in text
     assert "pass  step 0 loss  err=<err>  tol=1e-05" in text
+
+
+@st.composite
+def passing_fractions(draw) -> tuple[list, list]:
+    """Passing checks that measure fractions (errors, inequalities, bounds), on two machines."""
+    kinds = draw(st.lists(st.sampled_from(("close", "close scalar", "true", "at_most")), min_size=1, max_size=6))
+    first, second = [], []
+    for i, kind in enumerate(kinds):
+        a, b = draw(close_pair(True)) if kind.startswith("close") else draw(inequality_pair(kind, True))
+        first.append((kind, f"check {i} {kind}", (a, a)))
+        second.append((kind, f"check {i} {kind}", (b, b)))
+    return first, second
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(passing_fractions())
+def test_a_passing_row_prints_no_fraction_it_measured(pair):
+    """Not masked but absent: the recorded text of passing checks is the same on both machines with
+    only ``err=`` masked, so the notebook holds no digits of the recording machine's arithmetic."""
+    first, second = pair
+    text = render(first, ERR_ONLY)
+    assert text == render(second, ERR_ONLY)
+    assert not RAW_FLOAT.search(text), text
+
+
+def _compared_outputs(notebook: Path) -> list[str]:
+    """The output texts of ``notebook`` that nbval compares (cells not tagged to be ignored)."""
+    texts = []
+    for cell in nbformat.read(notebook, as_version=4).cells:
+        tags = cell.get("metadata", {}).get("tags", [])
+        if cell.cell_type != "code" or {"nbval-ignore-output", "nbval-skip"} & set(tags):
+            continue
+        for output in cell.get("outputs", []):
+            if "text" in output:
+                texts.append(output["text"])
+            texts.extend(str(v) for k, v in output.get("data", {}).items() if k.startswith("text/"))
+    return texts
+
+
+@pytest.mark.parametrize("notebook", sorted(NOTEBOOKS.glob("L*.ipynb")), ids=lambda p: p.stem)
+def test_the_recorded_outputs_hold_no_raw_float(notebook):
+    """What nbval compares in the committed notebooks holds verdicts and tolerances: no float printed
+    whole outside the masked ``err=`` (its last digits would be the recording machine's)."""
+    raw = [
+        line.strip()
+        for text in _compared_outputs(notebook)
+        for line in sanitized(text, ERR_ONLY).splitlines()
+        if RAW_FLOAT.search(line)
+    ]
+    assert not raw, f"{len(raw)} lines with raw floats, e.g. {raw[:3]}"
 
 
 def _seeded_sum() -> str:

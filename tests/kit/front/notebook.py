@@ -3,8 +3,9 @@
 The notebooks stay thin (parameters, then one call per cell) so every level looks alike and
 papermill, nbval and a person at Jupyter all see the same thing.
 
-Text the notebooks print for nbval is deterministic except for measured errors, which are
-printed as ``err=<value>`` and masked by ``notebooks/nbval_sanitize.cfg``: the recorded output
+Text the notebooks print for nbval is deterministic except for measured errors, printed as
+``err=<value>``, and texts a check saw, printed between ``⟨ ⟩``; ``notebooks/nbval_sanitize.cfg``
+masks both, and other measured numbers of passing checks are not printed: the recorded output
 matches while every check passes, and differs (``FAIL``) as soon as one does not.
 """
 
@@ -116,7 +117,7 @@ def run_cases(
 
 
 # -- what nbval checks -----------------------------------------------------------------------
-# What a passing check saw but does not decide (an inequality's measured value, a float that an
+# What a passing check saw but does not decide (a message, a type; a fraction inside a value an
 # exact check agreed on) is shown between these marks; notebooks/nbval_sanitize.cfg masks it, as
 # it masks ``err=``: the recorded text holds on any machine where the verdicts do.
 SEEN_OPEN, SEEN_CLOSE = "\u27e8", "\u27e9"  # ⟨ ⟩
@@ -151,14 +152,31 @@ def _what_it_saw(group: list[Check]) -> str:
         return f"err={max(errors):.3e}"
     first = next((c for c in group if not c.passed), group[0])
     if not first.passed:  # the word FAIL tells; the values vary with the machine (the table has them)
-        return f"{seen(first.measured)} vs {seen(first.reference)}"
+        return f"{seen(_short(first.measured))} vs {seen(_short(first.reference))}"
     if first.kind == "equal":
         return f"= {_decided(first.measured)}"
-    measured = seen(first.measured) if _plain(first.measured) else ""
-    # an inequality's bound, or a number it compared with, is measured too; a text ("> 0") is not
+    # A number a passing inequality saw, or the bound it was held to, is left out, whole or not: its
+    # digits are the machine's and the verdict does not hang on them (the table shows them). A text
+    # it saw (a message, a type) stays, masked; what it compared with ("> 0", an int) is its own.
+    measured = "" if _number(first.measured) or not _plain(first.measured) else seen(first.measured)
     bound = first.kind == "at_most" or isinstance(first.reference, float)
-    reference = seen(first.reference) if bound else _decided(first.reference)
-    return f"{measured} vs {reference}".strip()
+    reference = "" if bound else _decided(first.reference)
+    return f"{measured} vs {reference}".strip() if measured else reference
+
+
+def _number(value: object) -> bool:
+    """A measured number (not a flag): whole or not, its value is the machine's arithmetic."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _fraction(value: object) -> bool:
+    """A float with a fraction (a failing row shortens it)."""
+    return isinstance(value, float) and not value.is_integer()
+
+
+def _short(value: float | str) -> float | str:
+    """A failing row's value, short: four significant digits of a fraction (the table has all)."""
+    return float(f"{value:.4g}") if _fraction(value) else value
 
 
 def _merged(checks: list[Check]) -> list[tuple[str, float | None, float | None, str, bool]]:
@@ -179,7 +197,7 @@ def _merged(checks: list[Check]) -> list[tuple[str, float | None, float | None, 
 def verdict_text(verdict: Verdict) -> str:
     """The text of one verdict that nbval compares: the plan's assertions (pass / FAIL / not run /
     no check, and how many checks judge each), then per check pass/FAIL with its tolerance and what
-    it decides; measured values it does not decide are masked (``err=``, ``⟨...⟩``)."""
+    it decides; measured values it does not decide are masked (``err=``, ``⟨...⟩``) or left out."""
     head = f"{verdict.case.id} {verdict.case.name} [{verdict.case.world_size} ranks, {verdict.case.config}]"
     lines = [f"{head}: {verdict.status}"]
     for row in judge_plan(verdict):
@@ -194,7 +212,7 @@ def verdict_text(verdict: Verdict) -> str:
         lines.append("  run failed: " + verdict.failure.splitlines()[0])
     for name, _, tol, shown, passed in sorted(_merged(verdict.checks), key=lambda row: row[4]):  # FAIL first
         limit = f"tol={tol:g}" if tol is not None else ""
-        lines.append(f"  {'pass' if passed else 'FAIL'}  {name}  {shown}  {limit}".rstrip())
+        lines.append("  " + "  ".join(part for part in ("pass" if passed else "FAIL", name, shown, limit) if part))
     return "\n".join(lines)
 
 
