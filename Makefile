@@ -4,7 +4,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup sweep bench test test-slow lint notebooks mutants conformance explore device-check
+.PHONY: setup sweep bench test test-slow lint notebooks mutants conformance explore device-check test-torch test-torch-matrix
 .DEFAULT_GOAL := test
 
 # torch 2.13.0 is pinned (constraints.txt): it is the CPU build on local disk.
@@ -44,6 +44,21 @@ MAX_WORLD ?= 4
 explore: setup
 	IPP_NONINTERACTIVE=1 $(PYTHON) -m tests.kit.explore --examples $(EXAMPLES) --seed $(SEED) --max-world $(MAX_WORLD) \
 		$(if $(IMPLEMENTATION),--implementation $(IMPLEMENTATION))
+
+# Other torch releases, each in a venv of its own under .venvs/ (PyPI's builds are several GB: never
+# part of make test or .ci/run): TORCH=2.9.1 [UPSTREAM=/path/to/hyper-parallel]. The plan cases for
+# ours and torch FSDP2 (and upstream), our engine tests; runs/torch-matrix-<time>/index.html.
+test-torch:
+	$(if $(TORCH),,$(error make test-torch needs TORCH=RELEASE, e.g. make test-torch TORCH=2.9.1))
+	IPP_NONINTERACTIVE=1 $(PYTHON) -m tools.torch_matrix --torch $(TORCH) $(if $(UPSTREAM),--upstream $(UPSTREAM)) \
+		$(TORCH_ARGS)
+
+# 2.6.0, 2.7.1, 2.9.1, 2.13.0, 2.14.1 and the newest that installs here, nbval on 2.9.1 too;
+# UPSTREAM=PATH judges upstream on 2.9.1 (the torch it names) and 2.13.0 (UPSTREAM_ON=... to change).
+UPSTREAM_ON ?= 2.9.1,2.13.0
+test-torch-matrix:
+	IPP_NONINTERACTIVE=1 $(PYTHON) -m tools.torch_matrix --matrix \
+		$(if $(UPSTREAM),--upstream $(UPSTREAM) --upstream-on $(UPSTREAM_ON)) $(TORCH_ARGS)
 
 # On a machine with an accelerator: the engine there at world size 1, then the benchmark.
 device-check:

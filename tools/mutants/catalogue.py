@@ -51,13 +51,15 @@ _REPLICA_ALL_REDUCE = (
     "        if self.settings.all_reduce_replicas and self.mesh_info.is_hsdp"
     " and self.mesh_info.replicate_size > 1:\n"
     "            works = [\n"
-    "                dist.all_reduce(output, op=self.op, group=self.mesh_info.replicate_group, async_op=True)\n"
-    "                for _, output, _ in self.pieces\n"
+    "                dist.all_reduce(\n"
+    "                    piece.output, op=piece.arithmetic.op, group=self.mesh_info.replicate_group, async_op=True\n"
+    "                )\n"
+    "                for piece in self.pieces\n"
     "            ]\n"
     "            for work in works:\n"
     "                _wait(work)\n"
 )
-_FINISH = "        for _, output, _ in self.pieces:\n            self._finish(output)\n"
+_FINISH = "        for piece in self.pieces:\n            self._finish(piece.output, piece.arithmetic.divide_after)\n"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- core/fully_shard/api.py ---------------------------------------------------------------
@@ -316,24 +318,25 @@ MUTANTS: tuple[Mutant, ...] = (
         COLLECTIVES,
         "HSDP reduce op",
         "the replicate all-reduce is issued without op=, so it sums: HSDP grads x replicas",
-        "                dist.all_reduce(output, op=self.op, group=self.mesh_info.replicate_group, async_op=True)\n",
-        "                dist.all_reduce(output, group=self.mesh_info.replicate_group, async_op=True)\n",
+        "                    piece.output, op=piece.arithmetic.op, "
+        "group=self.mesh_info.replicate_group, async_op=True\n",
+        "                    piece.output, group=self.mesh_info.replicate_group, async_op=True\n",
     ),
     Mutant(
         "30",
         COLLECTIVES,
         "comm fusion (reduction)",
         "the offset of each param in a fused reduce-scatter output is never advanced",
-        "                param.apply_reduced_grad(param.shard_of_reduced(output[offset : offset + numel]))\n"
+        "                param.apply_reduced_grad(param.shard_of_reduced(piece.output[offset : offset + numel]))\n"
         "                offset += numel\n",
-        "                param.apply_reduced_grad(param.shard_of_reduced(output[offset : offset + numel]))\n",
+        "                param.apply_reduced_grad(param.shard_of_reduced(piece.output[offset : offset + numel]))\n",
     ),
     Mutant(
         "31",
         COLLECTIVES,
         "reduce op",
         "the reduce-scatter always averages: set_reduce_op_type('sum') reaches only the all-reduces",
-        "    work = _reduce_scatter_flat(recv, send, op, group)\n",
+        "    work = _reduce_scatter_flat(recv, send, arithmetic.op, group)\n",
         "    work = _reduce_scatter_flat(recv, send, dist.ReduceOp.AVG, group)\n",
     ),
     Mutant(
@@ -507,8 +510,8 @@ MUTANTS: tuple[Mutant, ...] = (
         COLLECTIVES,
         "gradient divide factor",
         "the divide factor is applied as the average's divisor too: grads divided by the ranks and the factor",
-        "            return 1.0 / self.divide_factor, dist.ReduceOp.SUM, None\n",
-        "            return 1.0 / self.divide_factor, dist.ReduceOp.AVG, None\n",
+        "            return Arithmetic(dist.ReduceOp.SUM, scale_before=1.0 / self.divide_factor)\n",
+        "            return Arithmetic(dist.ReduceOp.AVG, scale_before=1.0 / self.divide_factor)\n",
     ),
     Mutant(
         "52",
@@ -596,8 +599,8 @@ MUTANTS: tuple[Mutant, ...] = (
         COLLECTIVES,
         "force-sum reduction",
         "force-sum reductions forget the division after the SUM: grads summed, not averaged",
-        "            return None, dist.ReduceOp.SUM, float(ranks)\n",
-        "            return None, dist.ReduceOp.SUM, None\n",
+        "            return _sum_then_divide(float(ranks), dtype)\n",
+        "            return Arithmetic(dist.ReduceOp.SUM)\n",
     ),
     Mutant(
         "63",

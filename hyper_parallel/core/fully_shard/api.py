@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from hyper_parallel.platform.torch.compat import root_mesh
 from hyper_parallel.platform.torch.fully_shard.collectives import separate_group
 from hyper_parallel.platform.torch.fully_shard.mesh_info import (
     default_mesh,
@@ -532,7 +533,7 @@ def _check_tensor_parallel_param(name: str, param: DTensor, mesh: DeviceMesh) ->
 def _tensor_parallel_problem(tp_mesh: DeviceMesh, mesh: DeviceMesh) -> str | None:
     """Why a param tensor-parallel on ``tp_mesh`` cannot be sharded over ``mesh``, or None. The mesh
     both were cut from is ``mesh``'s: a DTensor's own mesh may be an equal one cut from another."""
-    root = mesh._get_root_mesh()
+    root = root_mesh(mesh)
     if tp_mesh.ndim != 1:
         return "tensor parallel composes with fully_shard on a 1-D TP mesh"
     if root.mesh_dim_names is None or mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from .compat import accelerator_index
+
 CPU = "cpu"
 
 
@@ -21,4 +23,4 @@ def current_device(device_type: str) -> torch.device:
     accelerator (the one the rank bound before joining its process group), or the CPU."""
     if device_type == CPU:
         return torch.device(CPU)
-    return torch.device(device_type, torch.accelerator.current_device_index())
+    return torch.device(device_type, accelerator_index())

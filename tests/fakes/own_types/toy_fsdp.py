@@ -83,8 +83,9 @@ class _Gather(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         mesh = ctx.layout.mesh
         out = torch.empty((grad.shape[0] // mesh.size, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_tensor(out, grad.contiguous(), op=dist.ReduceOp.AVG, group=mesh.group)
-        return out, None
+        # SUM, then the mean: gloo before torch 2.8 has no ReduceOp.AVG
+        dist.reduce_scatter_tensor(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=mesh.group)
+        return out.div_(mesh.size), None
 
 
 def _tag_grad(shard: torch.Tensor) -> None:

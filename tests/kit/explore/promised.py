@@ -21,6 +21,7 @@ from tests.kit.explore.grammar import build
 from tests.kit.explore.space import PRECISIONS, Config
 from tests.kit.judging.checks import CaseContext
 from tests.kit.judging.surface import impl
+from tests.kit.runtime.torch_compat import averages
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -203,15 +204,20 @@ class PromisedReference:
         factor where set (else the op's mean or sum), then the all-reduce hook (where the reduction
         ends in the all-reduce: not on a 2-D mesh with the all-reduce off), then the scaling factor."""
         group = self.config.groups[plan.group]
-        op = dist.ReduceOp.AVG if self.ops[plan.group] == "avg" else dist.ReduceOp.SUM
+        shards, replicas = self.meshes.shard_group(plan.mesh), self.meshes.replicate_group(plan.mesh)
+        mean = self.ops[plan.group] == "avg" and group.divide_factor is None
+        # a backend without AVG (gloo before torch 2.8): the sum, divided by the ranks it ran over
+        op = dist.ReduceOp.AVG if mean and averages(shards) else dist.ReduceOp.SUM
         grad = grad.contiguous()
         if group.divide_factor is not None:
-            op = dist.ReduceOp.SUM
             grad = grad * (1.0 / group.divide_factor)
-        dist.all_reduce(grad, op=op, group=self.meshes.shard_group(plan.mesh))
-        replicas = self.meshes.replicate_group(plan.mesh)
+        dist.all_reduce(grad, op=op, group=shards)
+        ranks = shards.size()
         if replicas is not None and self.all_reduce[plan.group]:
             dist.all_reduce(grad, op=op, group=replicas)
+            ranks *= replicas.size()
+        if mean and op == dist.ReduceOp.SUM:
+            grad.div_(ranks)
         if group.hook and (replicas is None or self.all_reduce[plan.group]):
             HOOK_MAPS[group.hook_map](grad)  # on the sum over every rank (the replicas' too)
         if group.scaling_factor is not None:

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from tests.kit.judging.surface import impl
 from tests.kit.runtime.devices import allocator_peak, allocator_start, has_allocator
+from tests.kit.runtime.torch_compat import is_plain_dispatch
 
 
 @dataclass
@@ -144,7 +145,7 @@ class _LiveStorages(TorchDispatchMode):
         self._counter = counter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(kind.__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl for kind in types):
+        if not all(is_plain_dispatch(kind) for kind in types):
             return NotImplemented  # a subclass with a dispatch of its own runs; its local ops come back here
         kwargs = kwargs or {}
         for value in tree_leaves((args, kwargs)):

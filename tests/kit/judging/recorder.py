@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.kit.runtime.torch_compat import dispatch_with_inplace_view, resolve_process_group
+
 
 @dataclass(frozen=True)
 class CollectiveCall:
@@ -96,11 +98,9 @@ _FUNCTIONAL: dict[str, str] = {
 
 def _functional_group_of(args: tuple) -> tuple[int, str]:
     """Size and name of the group a functional collective names (its last string argument)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     names = [a for a in args if isinstance(a, str)]
     try:
-        return (_resolve_process_group(names[-1]).size(), names[-1]) if names else (1, "")
+        return (resolve_process_group(names[-1]).size(), names[-1]) if names else (1, "")
     except (RuntimeError, ValueError, KeyError):
         return 1, ""
 
@@ -170,10 +170,7 @@ class _C10dSpy(TorchDispatchMode):
         if func.namespace not in ("c10d", "_c10d_functional", "c10d_functional"):
             return func(*args, **(kwargs or {}))
         self._notify(func.namespace, func._opname, tuple(args))
-        included = torch._C._dispatch_tls_local_include_set()
-        excluded = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.ADInplaceOrView)
-        with torch._C._ForceDispatchKeyGuard(included, excluded):
-            return func(*args, **(kwargs or {}))
+        return dispatch_with_inplace_view(func, args, kwargs or {})
 
 
 @contextmanager

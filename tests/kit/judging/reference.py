@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.kit.judging.surface import impl
+from tests.kit.runtime.torch_compat import all_reduce_mean
 
 
 def full(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -97,7 +98,7 @@ class SameDtypeReference:
                 self._unreduced[name] = grad
                 continue
             if not self.global_batch:
-                dist.all_reduce(grad, op=dist.ReduceOp.AVG)
+                all_reduce_mean(grad)
             grad = grad.to(master.dtype)
             master.grad = grad if master.grad is None else master.grad.add_(grad)
 

@@ -209,18 +209,6 @@ def _store_client(spec: dict, timeout: timedelta) -> Any:
     return store
 
 
-def _forget_dtensor_specs() -> None:
-    """Clear DTensor's sharding caches (torch's C++ one and its Python one) before a run: they key specs
-    by value, so an equal mesh of an earlier run comes back from them with its process groups named as
-    that run's world numbered them, a group this run lacks or another one (found by a TP test on a
-    3-D mesh after one on a 2-D mesh: "Could not resolve the process group registered under the name 3")."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-
-
 def rank_entry(rank: int, spec: dict, fn_obj: Callable | None, args: tuple, kwargs: dict) -> Any:
     """Engine side of a run: join a fresh process group, call fn, always destroy the group."""
     import torch
@@ -233,6 +221,7 @@ def rank_entry(rank: int, spec: dict, fn_obj: Callable | None, args: tuple, kwar
     ns["_last_error"] = ns["_last_traceback"] = None
     ns["_rank"] = rank
     from tests.kit.runtime.devices import bind, choose, deterministic, host_local_indices
+    from tests.kit.runtime.torch_compat import forget_dtensor_specs
 
     torch.set_num_threads(threads_per_rank(world_size))
     hosts = spec.get("hosts") or ["localhost"] * world_size  # each rank's host, from the driver
@@ -252,7 +241,7 @@ def rank_entry(rank: int, spec: dict, fn_obj: Callable | None, args: tuple, kwar
     timeout = timedelta(seconds=spec["timeout"])
     try:
         bind(device_type, local_index)  # before the process group exists
-        _forget_dtensor_specs()
+        forget_dtensor_specs()  # a mesh equal to an earlier run's must not bring back its groups
         ns["_last_run"]["determinism"] = deterministic(device_type)
         store = _store_client(spec, timeout)
         dist.init_process_group(

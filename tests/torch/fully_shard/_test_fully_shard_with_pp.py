@@ -53,6 +53,11 @@ from tests.kit.judging.case import CaseContext, case
 from tests.kit.judging.checks import device_type
 from tests.kit.judging.recorder import record_collectives
 from tests.kit.judging.surface import impl
+from tests.kit.runtime.torch_compat import (
+    every_p2p_waited,
+    init_p2p_in_float32,
+    scale_grads_as_newer_schedules,
+)
 from tests.kit.workloads.models import MLP, rank_batch
 from tests.kit.workloads.training import differs_across_ranks, shard_nested, train_against
 
@@ -116,6 +121,11 @@ def _stage_class() -> type:
                 result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
             self.reductions.append(len(recorder.of("reduce_scatter")) + len(recorder.of("all_reduce")))
             return result
+
+        def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+            """torch's first p2p with each neighbour, sized alike on both sides (torch 2.9's are not:
+            ``init_p2p_in_float32``); torch 2.6 and 2.7 have no such p2p."""
+            return init_p2p_in_float32(super()._get_init_p2p_neighbors_ops())
 
     return DrivenStage
 
@@ -266,10 +276,12 @@ def _run_part(ctx: CaseContext, schedule_name: str, reshard_after_forward: bool,
     def pipeline_step(module: nn.Module, batch: Batch) -> torch.Tensor:
         """One schedule step; returns the mean loss over the global batch, on every rank."""
         losses: list[torch.Tensor] = []
-        if last_stage:
-            schedule.step(target=batch.y, losses=losses)
-        else:
-            schedule.step(batch.x)
+        with every_p2p_waited():  # torch 2.6 and 2.7's schedules: see torch_compat
+            if last_stage:
+                schedule.step(target=batch.y, losses=losses)
+            else:
+                schedule.step(batch.x)
+        scale_grads_as_newer_schedules(schedule, module, MICROBATCHES)  # torch 2.6's schedules do not
         # each microbatch loss is its mean; equal microbatches: their mean is the rank's mean
         loss = torch.stack(losses).mean().detach() if last_stage else torch.zeros((), device=device)
         dist.all_reduce(loss, group=pp_group)  # the last stage's loss on both stages

@@ -186,6 +186,32 @@ def _start_fused_all_gather(
 
 
 # -- reductions ------------------------------------------------------------------------------
+# Reduce dtypes whose range holds a sum over the ranks: the division can wait until after the SUM.
+# fp16's cannot, so a division splits around the collective (FSDP2's rule, kept for the same grads).
+_WIDE_RANGE = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Arithmetic:
+    """How one reduction's collective turns the ranks' grads into the reduced grad: multiply by
+    ``scale_before``, divide by ``divide_before``, reduce with ``op``, divide by ``divide_after``."""
+
+    op: dist.ReduceOp
+    scale_before: float | None = None
+    divide_before: float | None = None
+    divide_after: float | None = None
+
+
+def split_division(divisor: float) -> tuple[float, float]:
+    """(before, after) the SUM collective for a narrow-range dtype: a power of two near the square
+    root of ``divisor`` before, the rest after, so neither the sum nor the quotients leave fp16's
+    range (the same split as torch FSDP2's, so both give the same grads)."""
+    before = 1
+    while divisor % before == 0 and divisor / before > before:
+        before *= 2
+    return float(before), divisor / before
+
+
 @dataclass(frozen=True)
 class ReduceSettings:
     """How a group's gradients are reduced: its HSDPModule controls, read when a reduction starts.
@@ -202,18 +228,37 @@ class ReduceSettings:
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
     all_reduce_replicas: bool = True
 
-    def arithmetic(self, ranks: int) -> tuple[float | None, dist.ReduceOp, float | None]:
-        """(scale before, collective op, divisor after) for a reduction over ``ranks`` ranks."""
+    def arithmetic(self, ranks: int, dtype: torch.dtype, averages: bool = True) -> Arithmetic:
+        """The arithmetic of a reduction in ``dtype`` over ``ranks`` ranks, on a backend that has
+        ``ReduceOp.AVG`` (``averages``) or not (SUM, then the division, as under force-sum)."""
         if self.divide_factor is not None:
-            if self.force_sum:
-                return None, dist.ReduceOp.SUM, self.divide_factor
+            if self.force_sum or dtype not in _WIDE_RANGE:
+                return _sum_then_divide(self.divide_factor, dtype)
             # FSDP2 multiplies inside the collective (NCCL's PreMulSum, which gloo lacks): scale, then SUM
-            return 1.0 / self.divide_factor, dist.ReduceOp.SUM, None
+            return Arithmetic(dist.ReduceOp.SUM, scale_before=1.0 / self.divide_factor)
         if self.op_type == "sum":
-            return None, dist.ReduceOp.SUM, None
-        if self.force_sum:
-            return None, dist.ReduceOp.SUM, float(ranks)
-        return None, REDUCE_OPS[self.op_type], None
+            return Arithmetic(dist.ReduceOp.SUM)
+        if self.force_sum or not averages or dtype not in _WIDE_RANGE:
+            return _sum_then_divide(float(ranks), dtype)
+        return Arithmetic(REDUCE_OPS[self.op_type])
+
+
+def _sum_then_divide(divisor: float, dtype: torch.dtype) -> Arithmetic:
+    """SUM collectives and the division around them: after the sum, or split around it (fp16)."""
+    if dtype in _WIDE_RANGE:
+        return Arithmetic(dist.ReduceOp.SUM, divide_after=divisor)
+    before, after = split_division(divisor)
+    return Arithmetic(dist.ReduceOp.SUM, divide_before=before, divide_after=after)
+
+
+@dataclass
+class Piece:
+    """One collective of a reduction over the shard dim: its params, flat output, work and arithmetic."""
+
+    params: list[HSDPParam]
+    output: torch.Tensor
+    work: dist.Work | None
+    arithmetic: Arithmetic
 
 
 @dataclass
@@ -226,45 +271,49 @@ class Reduction:
     """
 
     mesh_info: MeshInfo
-    op: dist.ReduceOp
     settings: ReduceSettings
-    divide_after: float | None = None
-    # (params, flat output, work) per collective issued over the shard dim
-    pieces: list[tuple[list[HSDPParam], torch.Tensor, dist.Work | None]] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)
     done: bool = False
 
     def wait(self) -> None:
         if self.done:
             return
-        for _, _, work in self.pieces:
-            _wait(work)
+        for piece in self.pieces:
+            _wait(piece.work)
         if self.settings.all_reduce_replicas and self.mesh_info.is_hsdp and self.mesh_info.replicate_size > 1:
             works = [
-                dist.all_reduce(output, op=self.op, group=self.mesh_info.replicate_group, async_op=True)
-                for _, output, _ in self.pieces
+                dist.all_reduce(
+                    piece.output, op=piece.arithmetic.op, group=self.mesh_info.replicate_group, async_op=True
+                )
+                for piece in self.pieces
             ]
             for work in works:
                 _wait(work)
-        for _, output, _ in self.pieces:
-            self._finish(output)
-        for params, output, _ in self.pieces:
+        for piece in self.pieces:
+            self._finish(piece.output, piece.arithmetic.divide_after)
+        for piece in self.pieces:
             offset = 0
-            for param in params:
+            for param in piece.params:
                 numel = param.padded_shard_numel
-                param.apply_reduced_grad(param.shard_of_reduced(output[offset : offset + numel]))
+                param.apply_reduced_grad(param.shard_of_reduced(piece.output[offset : offset + numel]))
                 offset += numel
         self.pieces.clear()
         self.done = True
 
-    def _finish(self, output: torch.Tensor) -> None:
+    def wait_collectives(self) -> None:
+        """Complete the collectives in flight, landing nothing (an iteration thrown away)."""
+        for piece in self.pieces:
+            _wait(piece.work)
+
+    def _finish(self, output: torch.Tensor, divide_after: float | None) -> None:
         """The user's hook on the reduced output, then the division and the scaling asked for.
         On a 2-D mesh the hook follows the all-reduce over the replicas, so with that all-reduce off
         there is none to follow and the hook does not run (FSDP2's rule)."""
         skipped_all_reduce = self.mesh_info.is_hsdp and not self.settings.all_reduce_replicas
         if self.settings.all_reduce_hook is not None and not skipped_all_reduce:
             self.settings.all_reduce_hook(output)
-        if self.divide_after is not None and self.divide_after != 1:
-            output.div_(self.divide_after)
+        if divide_after is not None and divide_after != 1:
+            output.div_(divide_after)
         if self.settings.scaling_factor is not None:
             output.mul_(self.settings.scaling_factor)
 
@@ -279,18 +328,27 @@ def start_reduction(
     """Start reducing the unreduced grads of ``params`` (each must have one) over the mesh."""
     replicas = settings.all_reduce_replicas and mesh_info.is_hsdp
     ranks = mesh_info.shard_size * (mesh_info.replicate_size if replicas else 1)
-    scale_before, op, divide_after = settings.arithmetic(ranks)
-    reduction = Reduction(mesh_info, op, settings, divide_after)
+    reduction = Reduction(mesh_info, settings)
     sharded = [p for p in params if not p.is_replicated]
     replicated = [p for p in params if p.is_replicated]
     group = mesh_info.shard_group
     for batch in _batches(sharded, fused):
-        reduction.pieces.append(_start_reduce_scatter(batch, reduce_scatter_group or group, op, scale_before))
+        arithmetic = settings.arithmetic(ranks, batch[0].reduce_dtype, mesh_info.averages)
+        reduction.pieces.append(_start_reduce_scatter(batch, reduce_scatter_group or group, arithmetic))
     for batch in _batches(replicated, fused):
-        reduction.pieces.append(_start_all_reduce(batch, group, op, scale_before))
+        arithmetic = settings.arithmetic(ranks, batch[0].reduce_dtype, mesh_info.averages)
+        reduction.pieces.append(_start_all_reduce(batch, group, arithmetic))
     for param in params:
         param.unreduced_grad = None
     return reduction
+
+
+def _before_collective(flat: torch.Tensor, arithmetic: Arithmetic) -> None:
+    """What the arithmetic does to a rank's grads before they are reduced."""
+    if arithmetic.scale_before is not None:
+        flat.mul_(arithmetic.scale_before)
+    if arithmetic.divide_before is not None and arithmetic.divide_before != 1:
+        flat.div_(arithmetic.divide_before)
 
 
 def _batches(params: list[HSDPParam], fused: bool) -> list[list[HSDPParam]]:
@@ -303,9 +361,7 @@ def _batches(params: list[HSDPParam], fused: bool) -> list[list[HSDPParam]]:
     return list(by_dtype.values())
 
 
-def _start_reduce_scatter(
-    params: list[HSDPParam], group: ProcessGroup, op: dist.ReduceOp, scale_before: float | None
-) -> tuple[list[HSDPParam], torch.Tensor, dist.Work | None]:
+def _start_reduce_scatter(params: list[HSDPParam], group: ProcessGroup, arithmetic: Arithmetic) -> Piece:
     dtype, device, world = params[0].reduce_dtype, params[0].device, params[0].world
     total = sum(p.padded_shard_numel for p in params)
     single = params[0]
@@ -320,25 +376,21 @@ def _start_reduce_scatter(
             param.copy_grad_into(send[:, offset : offset + numel], param.unreduced_grad)
             offset += numel
         send = send.view(-1)
-    if scale_before is not None:
-        send.mul_(scale_before)
+    _before_collective(send, arithmetic)
     if world == 1:  # one rank: its grad is the reduced grad, no collective
-        return params, send, None
+        return Piece(params, send, None, arithmetic)
     recv = torch.empty(total, dtype=dtype, device=device)
-    work = _reduce_scatter_flat(recv, send, op, group)
-    return params, recv, work
+    work = _reduce_scatter_flat(recv, send, arithmetic.op, group)
+    return Piece(params, recv, work, arithmetic)
 
 
-def _start_all_reduce(
-    params: list[HSDPParam], group: ProcessGroup, op: dist.ReduceOp, scale_before: float | None
-) -> tuple[list[HSDPParam], torch.Tensor, dist.Work | None]:
+def _start_all_reduce(params: list[HSDPParam], group: ProcessGroup, arithmetic: Arithmetic) -> Piece:
     if len(params) == 1:
         flat = params[0].unreduced_grad.contiguous().view(-1)
     else:
         flat = torch.cat([p.unreduced_grad.reshape(-1) for p in params])
-    if scale_before is not None:
-        flat.mul_(scale_before)
+    _before_collective(flat, arithmetic)
     if group.size() == 1:
-        return params, flat, None
-    work = dist.all_reduce(flat, op=op, group=group, async_op=True)
-    return params, flat, work
+        return Piece(params, flat, None, arithmetic)
+    work = dist.all_reduce(flat, op=arithmetic.op, group=group, async_op=True)
+    return Piece(params, flat, work, arithmetic)

@@ -9,6 +9,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate
 
+from ..compat import backend_averages, root_mesh
 from ..device import current_device, default_device_type
 
 
@@ -22,6 +23,9 @@ class MeshInfo:
     shard_rank: int
     replicate_group: ProcessGroup | None
     replicate_size: int
+    # the groups' backend reduces with ReduceOp.AVG (gloo before torch 2.8 and HCCL do not: SUM, then
+    # a division); asked once, when the group's mesh is split, never per reduction
+    averages: bool = True
 
     @property
     def is_hsdp(self) -> bool:
@@ -41,8 +45,9 @@ def default_mesh() -> DeviceMesh:
 
 def mesh_info_of(mesh: DeviceMesh) -> MeshInfo:
     """Split a validated 1-D or 2-D mesh into its shard and replicate process groups."""
+    averages = backend_averages(mesh.get_group(0), mesh.device_type)
     if mesh.ndim == 1:
-        return MeshInfo(mesh, mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0), None, 1)
+        return MeshInfo(mesh, mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0), None, 1, averages)
     return MeshInfo(
         mesh,
         shard_group=mesh.get_group(1),
@@ -50,6 +55,7 @@ def mesh_info_of(mesh: DeviceMesh) -> MeshInfo:
         shard_rank=mesh.get_local_rank(1),
         replicate_group=mesh.get_group(0),
         replicate_size=mesh.size(0),
+        averages=averages and backend_averages(mesh.get_group(1), mesh.device_type),
     )
 
 
@@ -57,7 +63,7 @@ def with_tensor_parallel(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh
     """The mesh of a param sharded over ``dp_mesh`` whose TP-local tensor is ``tp_mesh``'s: their dims,
     dp's first, cut from the mesh both were cut from (FSDP2's 2-D or, under HSDP, 3-D layout): ``dp_mesh``'s,
     since a DTensor's own mesh may be an equal one cut from another (torch caches specs by value)."""
-    root = dp_mesh._get_root_mesh()
+    root = root_mesh(dp_mesh)
     names = (*dp_mesh.mesh_dim_names, *tp_mesh.mesh_dim_names)
     return root if root.mesh_dim_names == names else root[names]
 

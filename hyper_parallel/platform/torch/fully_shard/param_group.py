@@ -175,9 +175,7 @@ class HSDPParamGroup:
         self.reshard()
         reductions, self._reductions = self._reductions, []
         for reduction in reductions:
-            for _, _, work in reduction.pieces:
-                if work is not None:
-                    work.wait()
+            reduction.wait_collectives()
         self.used_since_post_backward = False
         for param in self.params:
             param.unreduced_grad = None

@@ -21,11 +21,15 @@ that reaches the param through a module it shares, a tied weight, shards it). No
 sharded params are cast, the all-gathers keep the dtype of the lazy init, so the module computes in
 the old dtype (a plain ``nn.Linear`` raises on the mixed dtypes): a defect L4 found (replay
 d618ffc6b3, which ours passes), left out as a feature FSDP2 lacks. On a gloo process group it also
-lacks ``set_gradient_divide_factor`` without force-sum (see ``LACKING_ON_GLOO``).
+lacks ``set_gradient_divide_factor`` without force-sum (see ``LACKING_ON_GLOO``). On an older torch
+the adapter loads as well: what its FSDP2 lacks is found there (``NEEDS``, ``KEYWORDS``) and left
+out of ``features``.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -57,6 +61,69 @@ LACKING = {
 # group's size), which gloo refuses: "Cannot use ReduceOp.PREMUL_SUM with Gloo". With force-sum it
 # works (sum, then a division): the set_reduce_op_type shim below relies on that.
 LACKING_ON_GLOO = {"gradient_divide_factor"}
+# What a feature needs of the installed FSDP2, looked up there (never a table of releases): an
+# older torch lacks some (share_comm_ctx before 2.13, set_gradient_divide_factor and force-sum before
+# 2.9, set_reshard_after_forward before 2.8, ...); a feature whose names are missing is left out of
+# ``features``, so its cases are UNSUPPORTED naming it, and an entry point the kit calls raises.
+NEEDS: dict[str, tuple[str, ...]] = {
+    "share_comm_ctx": ("share_comm_ctx",),
+    "forward_method": ("register_fsdp_forward_method",),
+    "reset_iter_state": ("FSDPModule.reset_iter_state",),
+    "reshard_controls": ("FSDPModule.set_reshard_after_forward", "FSDPModule.set_reshard_after_backward"),
+    "gradient_divide_factor": ("FSDPModule.set_gradient_divide_factor",),
+    "force_sum_reduction": ("FSDPModule.set_force_sum_reduction_for_comms",),
+    # the set_reduce_op_type shim below sets a divide factor with force-sum
+    "reduce_op_type": ("FSDPModule.set_gradient_divide_factor", "FSDPModule.set_force_sum_reduction_for_comms"),
+    "reduce_scatter_unused_params": ("FSDPModule.set_reduce_scatter_unused_params",),
+    "separate_reduce_scatter_group": ("FSDPModule.set_separate_reduce_scatter_group",),
+    "all_reduce_hook": ("FSDPModule.set_all_reduce_hook",),
+    "unshard_in_backward": ("FSDPModule.set_unshard_in_backward",),
+    "last_backward": ("FSDPModule.set_is_last_backward",),
+    "prefetch": ("FSDPModule.set_modules_to_forward_prefetch", "FSDPModule.set_modules_to_backward_prefetch"),
+}
+
+
+# Keywords of fully_shard a feature needs (torch 2.6's FSDP2 has no ignored_params).
+KEYWORDS: dict[str, tuple[str, ...]] = {
+    "ignored_params": ("ignored_params",),
+    "ignored_params_nested": ("ignored_params",),
+}
+
+
+def fully_shard_keywords(package: Any = fsdp) -> frozenset[str]:
+    """The keywords the installed FSDP2's ``fully_shard`` takes."""
+    return frozenset(inspect.signature(package.fully_shard).parameters)
+
+
+def missing_names(feature: str, package: Any = fsdp) -> list[str]:
+    """The names ``feature`` needs that the installed FSDP2 (``package``) lacks."""
+    missing = [
+        f"torch.distributed.fsdp.fully_shard({keyword}=)"
+        for keyword in KEYWORDS.get(feature, ())
+        if keyword not in fully_shard_keywords(package)
+    ]
+    for name in NEEDS.get(feature, ()):
+        owner, _, attribute = name.rpartition(".")
+        where = getattr(package, owner) if owner else package
+        if not hasattr(where, attribute):
+            missing.append(f"torch.distributed.fsdp.{name}")
+    return missing
+
+
+def lacking_in_installed(package: Any = fsdp) -> dict[str, list[str]]:
+    """Feature -> the FSDP2 names it needs that this torch lacks (only features that lack some)."""
+    return {feature: names for feature in {**NEEDS, **KEYWORDS} if (names := missing_names(feature, package))}
+
+
+def _absent(name: str) -> Callable[..., Any]:
+    """Stands in for an FSDP2 entry point this torch lacks: calling it is a refusal naming it."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{name}: torch {torch.__version__}'s FSDP2 lacks it")
+
+    return refuse
+
+
 # Defects of torch FSDP2 2.13 that L4 found (its replays are in tests/kit/explore/regressions/, where
 # ours passes them): L4 leaves these combinations out, so a run judges the rest.
 KNOWN_DEFECTS = {
@@ -104,6 +171,14 @@ def _refuse_replicate(fn: Callable[[nn.Parameter], Any] | None) -> Callable[[nn.
     return placement
 
 
+@functools.cache
+def _takes_none_for_reshard() -> bool:
+    """Whether the installed FSDP2 takes ``reshard_after_forward=None`` (True except the root): torch
+    2.7's takes bools and ints only, defaults to True and never reshards the root after forward, which
+    is what None asks for."""
+    return inspect.signature(fsdp.fully_shard).parameters["reshard_after_forward"].default is None
+
+
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -126,6 +201,11 @@ def fully_shard(
         raise NotImplementedError("fully_shard(device=...): FSDP2 takes the device from the mesh")
     if isinstance(module, (list, tuple)):
         raise NotImplementedError("fully_shard([modules]) as independent groups: FSDP2 makes one group of a list")
+    if reshard_after_forward is None and not _takes_none_for_reshard():
+        reshard_after_forward = True  # that FSDP2's root never reshards after forward: None's meaning
+    ignored = {} if ignored_params is None else {"ignored_params": set(ignored_params)}
+    if ignored and "ignored_params" not in fully_shard_keywords():
+        raise NotImplementedError(f"fully_shard(ignored_params=...): torch {torch.__version__}'s FSDP2 lacks it")
     return fsdp.fully_shard(
         module,
         mesh=mesh,
@@ -133,7 +213,7 @@ def fully_shard(
         shard_placement_fn=_refuse_replicate(shard_placement_fn),
         mp_policy=mp_policy or fsdp.MixedPrecisionPolicy(),
         offload_policy=offload_policy or fsdp.OffloadPolicy(),
-        ignored_params=set(ignored_params) if ignored_params is not None else None,
+        **ignored,
     )
 
 
@@ -168,15 +248,16 @@ class TorchFSDP2(Implementation):
         self.MixedPrecisionPolicy = MixedPrecisionPolicy
         self.OffloadPolicy = fsdp.OffloadPolicy
         self.CPUOffloadPolicy = fsdp.CPUOffloadPolicy
-        self.register_fsdp_forward_method = fsdp.register_fsdp_forward_method
-        self.share_comm_ctx = fsdp.share_comm_ctx
-        if not hasattr(fsdp.FSDPModule, "set_reduce_op_type"):
+        for name in ("register_fsdp_forward_method", "share_comm_ctx"):
+            setattr(self, name, getattr(fsdp, name, None) or _absent(f"torch.distributed.fsdp.{name}"))
+        if not hasattr(fsdp.FSDPModule, "set_reduce_op_type") and "reduce_op_type" not in lacking_in_installed():
             fsdp.FSDPModule.set_reduce_op_type = _set_reduce_op_type
 
     @property
     def features(self) -> frozenset[str]:
-        """All but ``LACKING``, and on gloo but ``LACKING_ON_GLOO`` too."""
-        lacking = LACKING | (LACKING_ON_GLOO if _backend() == CPU_BACKEND else set())
+        """All but ``LACKING``, those whose FSDP2 names this torch lacks, and on gloo but
+        ``LACKING_ON_GLOO`` too."""
+        lacking = LACKING | set(lacking_in_installed()) | (LACKING_ON_GLOO if _backend() == CPU_BACKEND else set())
         return frozenset(FEATURES) - lacking
 
 

@@ -1,0 +1,120 @@
+"""What differs between the torch releases and the backends the engine runs on, found from what is
+installed (never from a version table): each private or young torch name the engine needs is
+reached here, with the fallback a release without it takes, so the rest of the engine reads the
+same on torch 2.6 and on the newest.
+
+- ``root_mesh``: the mesh a sub-mesh was cut from (``DeviceMesh._get_root_mesh`` on new releases,
+  ``device_mesh._mesh_resources.get_root_mesh`` on older ones).
+- ``backend_averages``: whether a process group's backend reduces with ``ReduceOp.AVG`` (gloo gained
+  it in torch 2.8; HCCL has none): a group whose backend lacks it reduces with SUM and divides.
+- ``accelerator_index``: the current accelerator's index (``torch.accelerator.current_device_index``
+  from torch 2.7, ``current_device_idx`` in 2.6).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed import device_mesh as device_mesh_module
+from torch.distributed.device_mesh import DeviceMesh
+
+# Backends that refuse ReduceOp.AVG whatever the release: torch_npu's ProcessGroupHCCL maps only SUM,
+# PRODUCT, MIN and MAX to HCCL and raises "Cannot use ReduceOp.AVG with HCCL" (its unsupportedOp table
+# in torch_npu/csrc/distributed/ProcessGroupHCCL.cpp), nor does it map PREMUL_SUM.
+SUM_ONLY_BACKENDS = frozenset({"hccl"})
+
+
+class TorchReleaseLacks(RuntimeError):
+    """A feature the installed torch cannot give: named with the release, never a wrong result."""
+
+    def __init__(self, feature: str, missing: str) -> None:
+        super().__init__(f"{feature} needs {missing}, which torch {torch.__version__} lacks")
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was cut from (``mesh`` itself when it is not a sub-mesh)."""
+    getter = getattr(mesh, "_get_root_mesh", None)
+    if getter is not None:
+        return getter()
+    resources = getattr(device_mesh_module, "_mesh_resources", None)
+    if resources is not None and hasattr(resources, "get_root_mesh"):
+        return resources.get_root_mesh(mesh)
+    raise TorchReleaseLacks(
+        "a sub-mesh's parent mesh (tensor parallel beside fully_shard)",
+        "DeviceMesh._get_root_mesh or device_mesh._mesh_resources.get_root_mesh",
+    )
+
+
+def accelerator_index() -> int:
+    """The index of the accelerator this process computes on."""
+    accelerator = torch.accelerator
+    getter = getattr(accelerator, "current_device_index", None) or getattr(accelerator, "current_device_idx", None)
+    if getter is None:
+        raise TorchReleaseLacks("the current accelerator", "torch.accelerator.current_device_index")
+    return getter()
+
+
+def backend_of(group: ProcessGroup, device_type: str) -> str:
+    """The backend a group uses for tensors of ``device_type`` ("gloo", "hccl", ...): a group may
+    name one per device type ("cpu:gloo,npu:hccl")."""
+    name = str(dist.get_backend(group))
+    if ":" not in name:
+        return name
+    per_device = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+    return per_device.get(device_type, next(iter(per_device.values())))
+
+
+def backend_averages(group: ProcessGroup, device_type: str) -> bool:
+    """Whether ``group``'s backend reduces with ``ReduceOp.AVG`` for tensors of ``device_type``."""
+    backend = backend_of(group, device_type)
+    if backend in SUM_ONLY_BACKENDS:
+        return False
+    if backend == "gloo":
+        return gloo_averages()
+    return True
+
+
+@functools.cache
+def gloo_averages() -> bool:
+    """Whether the installed torch's gloo averages with ``ReduceOp.AVG``, in both collectives the
+    engine reduces with: asked of a two-rank gloo group of this process alone (two threads; no
+    other process takes part, nothing is recorded), once per process, by the values it returns.
+    torch 2.6 and 2.7 refuse AVG in all-reduce, and their reduce-scatter sums under AVG without a
+    word (so FSDP2 there gets grads times the world size): both read as False. A probe that cannot
+    finish also reads as False: SUM and a division are right on every backend."""
+    store, answers, groups = dist.HashStore(), [False, False], [None, None]
+    ranks = [threading.Thread(target=_probe_rank, args=(store, rank, answers, groups), daemon=True) for rank in (0, 1)]
+    for thread in ranks:
+        thread.start()
+    for thread in ranks:
+        thread.join(timeout=_PROBE_TIMEOUT.total_seconds())
+    # both groups live until both ranks are done: a group destroyed while its peer still connects
+    # aborts the process (seen on torch 2.6)
+    groups.clear()
+    return all(answers)
+
+
+_PROBE_TIMEOUT = timedelta(seconds=30)
+
+
+def _probe_rank(store: dist.Store, rank: int, answers: list[bool], groups: list) -> None:
+    """One rank of the probe: the mean of 1 and 3 through all-reduce and reduce-scatter with AVG."""
+    mine = 1.0 + 2 * rank
+    try:
+        group = groups[rank] = dist.ProcessGroupGloo(store, rank, 2, _PROBE_TIMEOUT)
+        summed = torch.tensor([mine])
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.AVG
+        group.allreduce([summed], options).wait()
+        scattered = torch.empty(1)
+        scatter_options = dist.ReduceScatterOptions()
+        scatter_options.reduceOp = dist.ReduceOp.AVG
+        group._reduce_scatter_base(scattered, torch.tensor([mine, mine]), scatter_options).wait()
+    except (RuntimeError, AttributeError):
+        return  # "Cannot use ReduceOp.AVG with Gloo", or a backend without the call: SUM and divide
+    answers[rank] = summed.item() == 2.0 and scattered.item() == 2.0
