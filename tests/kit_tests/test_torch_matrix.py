@@ -20,6 +20,15 @@ TORCH_FRAME = (
     "    dist.reduce_scatter_tensor(output, input, op=op)\n"
     "RuntimeError: Cannot use ReduceOp.AVG with Gloo\n"
 )
+ENGINE_FRAME = (  # what a rank's failure looks like from an engine: IPython's frames, the kit's heading
+    "tests.kit.judging.case.run_on_rank on 2 ranks failed after 1.6 s\n\n===== rank 0 =====\n"
+    "rank 0 raised AttributeError: 'Stream' object has no attribute 'record_event'\n"
+    "File /work/main/tests/kit/judging/case.py:115, in run_on_rank(case_id, module)\n"
+    "File /x/.venvs/torch-2.6.0/lib/python3.11/site-packages/torch/distributed/fsdp/_fully_shard/"
+    "_fsdp_collectives.py:171, in foreach_all_gather(fsdp_params, group)\n"
+    "AttributeError: 'Stream' object has no attribute 'record_event'\n"
+    "\n===== rank 1 =====\nrank 1 raised ValueError: elsewhere\nFile /work/main/tests/kit/x.py:3, in f()\n"
+)
 KIT_FRAME = (
     "Traceback (most recent call last):\n"
     '  File "/x/site-packages/torch/nn/modules/module.py", line 1, in _call_impl\n'
@@ -65,6 +74,10 @@ def test_a_failure_raised_inside_torch_is_shown_as_torchs():
     found = report.torchs_failure(TORCH_FRAME)
     assert found == (
         "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:399: RuntimeError: Cannot use ReduceOp.AVG with Gloo"
+    )
+    assert report.torchs_failure(ENGINE_FRAME) == (
+        "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:171: "
+        "AttributeError: 'Stream' object has no attribute 'record_event'"
     )
     assert report.torchs_failure(KIT_FRAME) is None and report.torchs_failure(None) is None
     assert report.cell_status({"status": "ERROR", "failure": TORCH_FRAME}) == "TORCH"

@@ -13,7 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+# a frame of a plain traceback (File "x.py", line 3) or of IPython's (File /x.py:3, in f)
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)|File (/[^\s:]+\.py):(\d+)')
+_RAISED = re.compile(r"raised (\w+): (.*)")  # the kit's line heading a rank's failure
+_EXCEPTION = re.compile(r"\s*\w+(Error|Exception)\b")
 _COLOURS = {
     "PASS": "#dafbe1",
     "FAIL": "#ffd8d3",
@@ -25,20 +28,36 @@ _COLOURS = {
 }
 
 
+# What the release's gloo does with ReduceOp.AVG (our engine's probe), and what follows for each engine.
+GLOO = {
+    True: "averages",
+    False: "no AVG: ours reduces with SUM and divides. torch FSDP2 still asks gloo for AVG: its all-reduce "
+    "refuses it (TORCH) and its reduce-scatter sums without a word (FSDP2's grads the world size times too "
+    "large: the failing grads of its training cases on this release follow from it)",
+}
+
+
 def torchs_failure(failure: str | None) -> str | None:
-    """``where: message`` when the innermost frame of a failure's traceback is torch's own code."""
+    """``where: message`` when the innermost frame of a failure's first traceback (the first rank's)
+    is torch's own code; plain Python tracebacks and IPython's (an engine's) alike."""
     if not failure:
         return None
-    frames = _FRAME.findall(failure)
+    sections = failure.split("===== rank ")
+    first = sections[1] if len(sections) > 1 else failure
+    frames = [(quoted or bare, line or bare_line) for quoted, line, bare, bare_line in _FRAME.findall(first)]
     if not frames:
         return None
     path, line = frames[-1]
     marker = "/site-packages/torch/"
     if marker not in path:
         return None
-    after = failure[failure.rfind(f'File "{path}", line {line}') :].splitlines()
-    message = next((row.strip() for row in reversed(after) if re.match(r"\s*\w+(Error|Exception)\b", row)), "")
+    raised = _RAISED.search(first)
+    message = f"{raised.group(1)}: {raised.group(2).strip()}" if raised else _last_exception(first)
     return f"torch/{path.split(marker, 1)[1]}:{line}: {message}"[:300]
+
+
+def _last_exception(text: str) -> str:
+    return next((row.strip() for row in reversed(text.splitlines()) if _EXCEPTION.match(row)), "")
 
 
 def cell_status(row: dict[str, Any] | None) -> str:
@@ -88,7 +107,7 @@ def _summary_rows(matrix: dict[str, Any]) -> str:
         nb = result.get("nbval")
         nb_text = ", ".join(f"{o} {k}" for o, k in engine_counts(nb).items()) if nb else "not run"
         lacks = "<br>".join(f"{html.escape(f)}: {html.escape(', '.join(n))}" for f, n in result["fsdp2_lacks"].items())
-        gloo = {True: "averages", False: "no AVG: SUM and divide", None: "?"}[result.get("gloo_averages")]
+        gloo = GLOO.get(result.get("gloo_averages"), "?")
         seconds = result.get("seconds", {})
         rows.append(
             f"<tr><td><b>{release}</b><div class='d'>{html.escape(result.get('torch', ''))}</div></td>"

@@ -106,7 +106,6 @@ def resolves(release: str, python: str = sys.executable) -> tuple[bool, str]:
             "pip",
             "install",
             "--dry-run",
-            "--quiet",
             "--ignore-installed",
             "--no-deps",
             "--disable-pip-version-check",
@@ -115,8 +114,12 @@ def resolves(release: str, python: str = sys.executable) -> tuple[bool, str]:
         capture_output=True,
         text=True,
     )
-    lines = (done.stdout + done.stderr).strip().splitlines()
-    return done.returncode == 0, (lines[-1] if lines else "")
+    lines = [line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    # why, in pip's words: its first error, and the requests in conflict (a machine's cap among them)
+    why = [line for line in lines if line.startswith("ERROR:")][:1] + [
+        line for line in lines if line.startswith("The user requested")
+    ]
+    return done.returncode == 0, "; ".join(why) or (lines[-1] if lines else "")
 
 
 def newest_installable(candidates: list[str], say: Callable[[str], None] = print) -> tuple[str | None, list[str]]:
