@@ -113,7 +113,7 @@ def _summary_rows(matrix: dict[str, Any]) -> str:
             f"<tr><td><b>{release}</b><div class='d'>{html.escape(result.get('torch', ''))}</div></td>"
             f"<td>{per_impl}</td><td>{engine}</td><td>{nb_text}</td><td class='d'>{gloo}</td>"
             f"<td class='d'>{lacks or 'nothing'}</td>"
-            f"<td class='d'>{html.escape(json.dumps(seconds))}</td></tr>"
+            f"<td class='d'>{' · '.join(f'{step} {value:.0f} s' for step, value in seconds.items())}</td></tr>"
         )
     return "".join(rows)
 

@@ -330,7 +330,9 @@ def ac_activation_swap_fsdp(ctx: CaseContext) -> None:
             str(sorted(in_checkpoints)),
             str(sorted(checkpointed)),
         )
-        ctx.equal(f"{where}: saved tensors handed back in backward", len(offload.restored), len(offload.packed))
+        # how many tensors autograd saves is torch's (2.9 saves one more than 2.13): the count is no verdict
+        handed_back = len(offload.restored) == len(offload.packed)
+        ctx.true(f"{where}: saved tensors handed back in backward", handed_back, len(offload.restored), "all packed")
     restored = {pointer for _, pointer in offloads[-1].restored}
     consumed = sorted(name for name, pointer in recompute.pointers.items() if pointer in restored)
     ctx.equal(
