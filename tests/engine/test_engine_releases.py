@@ -15,7 +15,7 @@ import torch.distributed as dist
 from hyper_parallel.platform.torch import compat
 from hyper_parallel.platform.torch.fully_shard.collectives import ReduceSettings, split_division
 from tests.engine import _ranks_releases as ranks
-from tests.kit_tests._gloo import public_gloo_avg
+from tests.kit_tests._gloo import RefusingGloo, public_gloo_avg
 
 
 class _Mesh:
@@ -62,18 +62,11 @@ def test_gloo_asked_once_whether_it_averages(monkeypatch):
     as torch 2.7's does is found so."""
     public = public_gloo_avg()
 
-    class Refusing:
-        def __init__(self, *args):
-            pass
-
-        def allreduce(self, tensors, options):
-            raise RuntimeError("Cannot use ReduceOp.AVG with Gloo")
-
     compat.gloo_averages.cache_clear()
     try:
         assert compat.gloo_averages() is (public == "averages")
         compat.gloo_averages.cache_clear()
-        monkeypatch.setattr(dist, "ProcessGroupGloo", Refusing)
+        monkeypatch.setattr(dist, "ProcessGroupGloo", RefusingGloo)
         assert compat.gloo_averages() is False
     finally:
         compat.gloo_averages.cache_clear()

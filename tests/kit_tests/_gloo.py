@@ -25,3 +25,13 @@ def public_gloo_avg() -> str:
     answer = done.stdout.strip().splitlines()[-1:] or [done.stderr]
     assert answer[0] in ("averages", "refused"), done.stdout + done.stderr
     return answer[0]
+
+
+class RefusingGloo:
+    """A gloo process group as torch 2.6 and 2.7 have it: all-reduce refuses ``ReduceOp.AVG``."""
+
+    def __init__(self, *args: object) -> None:
+        pass
+
+    def allreduce(self, tensors: list, options: object) -> None:
+        raise RuntimeError("Cannot use ReduceOp.AVG with Gloo")

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from tests.kit.runtime import torch_compat
 from tests.kit_tests import _ranks_compat as ranks
-from tests.kit_tests._gloo import public_gloo_avg
+from tests.kit_tests._gloo import RefusingGloo, public_gloo_avg
 
 
 class _ThreadLocalLru(threading.local):
@@ -90,18 +90,11 @@ def test_plain_dispatch_told_from_a_subclass_with_and_without_torchs_marker(monk
 
 
 def test_gloo_without_avg_found_from_its_refusal(monkeypatch):
-    class Refusing:
-        def __init__(self, *args):
-            pass
-
-        def allreduce(self, tensors, options):
-            raise RuntimeError("Cannot use ReduceOp.AVG with Gloo")
-
     torch_compat.gloo_averages.cache_clear()
     try:
         assert torch_compat.gloo_averages() is (public_gloo_avg() == "averages")
         torch_compat.gloo_averages.cache_clear()
-        monkeypatch.setattr(dist, "ProcessGroupGloo", Refusing)
+        monkeypatch.setattr(dist, "ProcessGroupGloo", RefusingGloo)
         assert torch_compat.gloo_averages() is False
     finally:
         torch_compat.gloo_averages.cache_clear()

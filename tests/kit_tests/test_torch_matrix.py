@@ -83,6 +83,8 @@ def test_a_failure_raised_inside_torch_is_shown_as_torchs():
     assert report.cell_status({"status": "ERROR", "failure": TORCH_FRAME}) == "TORCH"
     assert report.cell_status({"status": "ERROR", "failure": KIT_FRAME}) == "ERROR"
     assert report.cell_status({"status": "UNSUPPORTED", "failure": TORCH_FRAME}) == "UNSUPPORTED"
+    # another implementation failing inside torch (autograd finding its in-place write) keeps its verdict
+    assert report.cell_status({"status": "ERROR", "failure": TORCH_FRAME}, "upstream:/src/hp") == "ERROR"
 
 
 def _release(ours: str, fsdp2: str, engine: str = "passed") -> dict:

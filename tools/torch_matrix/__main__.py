@@ -83,7 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.upstream:
         implementations["upstream"] = f"upstream:{Path(args.upstream).resolve()}"
     out = Path(args.out) / f"torch-matrix-{time.strftime('%Y%m%d-%H%M%S')}"
-    matrix: dict[str, Any] = {"python": platform.python_version(), "not_installable": refused, "releases": {}}
+    matrix: dict[str, Any] = {
+        "python": platform.python_version(),
+        "implementations": implementations,
+        "not_installable": refused,
+        "releases": {},
+    }
     for release in releases:
         say(f"torch {release}")
         try:

@@ -13,19 +13,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.kit.front.conformance import VERDICT_COLOURS
+
 # a frame of a plain traceback (File "x.py", line 3) or of IPython's (File /x.py:3, in f)
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)|File (/[^\s:]+\.py):(\d+)')
 _RAISED = re.compile(r"raised (\w+): (.*)")  # the kit's line heading a rank's failure
 _EXCEPTION = re.compile(r"\s*\w+(Error|Exception)\b")
-_COLOURS = {
-    "PASS": "#dafbe1",
-    "FAIL": "#ffd8d3",
-    "UNSUPPORTED": "#eeeeee",
-    "ERROR": "#ffd8d3",
-    "TIMEOUT": "#fff1c2",
-    "DIED": "#fff1c2",
-    "TORCH": "#e6e0ff",
-}
+_COLOURS = {**VERDICT_COLOURS, "TORCH": "#e6e0ff"}  # the conformance page's, and torch's own failures
 
 
 # What the release's gloo does with ReduceOp.AVG (our engine's probe), and what follows for each engine.
@@ -60,20 +54,22 @@ def _last_exception(text: str) -> str:
     return next((row.strip() for row in reversed(text.splitlines()) if _EXCEPTION.match(row)), "")
 
 
-def cell_status(row: dict[str, Any] | None) -> str:
-    """The verdict shown for one case of one implementation on one release."""
+def cell_status(row: dict[str, Any] | None, spec: str = "torch") -> str:
+    """The verdict shown for one case of one implementation (``spec``) on one release: TORCH where
+    torch FSDP2 failed inside torch's own code. Another implementation failing there (autograd
+    finding its in-place write, say) keeps its verdict: the cause is its own."""
     if row is None:
         return "-"
-    if row["status"] in ("ERROR", "FAIL") and torchs_failure(row.get("failure")):
+    if spec == "torch" and row["status"] in ("ERROR", "FAIL") and torchs_failure(row.get("failure")):
         return "TORCH"
     return row["status"]
 
 
-def counts(results: dict[str, dict[str, Any]]) -> dict[str, int]:
+def counts(results: dict[str, dict[str, Any]], spec: str = "torch") -> dict[str, int]:
     """Verdict -> number of cases, over one implementation's results on one release."""
     found: dict[str, int] = {}
     for row in results.values():
-        status = cell_status(row)
+        status = cell_status(row, spec)
         found[status] = found.get(status, 0) + 1
     return found
 
@@ -81,6 +77,11 @@ def counts(results: dict[str, dict[str, Any]]) -> dict[str, int]:
 def engine_counts(engine: dict[str, Any]) -> dict[str, int]:
     tests = engine.get("tests", {})
     return {outcome: sum(1 for o in tests.values() if o == outcome) for outcome in sorted(set(tests.values()))}
+
+
+def _spec(matrix: dict[str, Any], name: str) -> str:
+    """The spec of the implementation named ``name`` in the run (torch FSDP2's is "torch")."""
+    return matrix.get("implementations", {}).get(name, "torch" if name == "fsdp2" else name)
 
 
 def write(out: Path, matrix: dict[str, Any]) -> Path:
@@ -100,7 +101,8 @@ def _summary_rows(matrix: dict[str, Any]) -> str:
             continue
         cases = result["cases"]["results"]
         per_impl = "<br>".join(
-            f"<b>{html.escape(name)}</b>: " + ", ".join(f"{s} {k}" for s, k in sorted(counts(rows_).items()))
+            f"<b>{html.escape(name)}</b>: "
+            + ", ".join(f"{s} {k}" for s, k in sorted(counts(rows_, _spec(matrix, name)).items()))
             for name, rows_ in cases.items()
         )
         engine = ", ".join(f"{o} {k}" for o, k in engine_counts(result["engine"]).items())
@@ -134,7 +136,7 @@ def _case_rows(matrix: dict[str, Any]) -> tuple[str, str]:
         cells = []
         for release, name in columns:
             row = matrix["releases"][release]["cases"]["results"][name].get(cid)
-            status = cell_status(row)
+            status = cell_status(row, _spec(matrix, name))
             detail = (
                 (torchs_failure(row.get("failure")) if status == "TORCH" else row.get("first_failure")) if row else ""
             )

@@ -30,7 +30,7 @@ from tests.kit.judging.verdict import judge_case
 from tests.kit.runtime.cluster import RankCluster
 
 ROOT = Path(__file__).resolve().parents[3]
-_COLOURS = {
+VERDICT_COLOURS = {
     "PASS": "#dafbe1",
     "FAIL": "#ffd8d3",
     "UNSUPPORTED": "#eeeeee",
@@ -81,7 +81,7 @@ def _cell(row: dict[str, Any] | None) -> str:
     origin = row.get("origin") or {}
     where = html.escape(f"{origin.get('file', '')} @ {str(origin.get('commit') or '')[:10]}")
     return (
-        f"<td style='background:{_COLOURS.get(status, '#fff')}' title='{where}'><b>{status}</b>{extras}"
+        f"<td style='background:{VERDICT_COLOURS.get(status, '#fff')}' title='{where}'><b>{status}</b>{extras}"
         f"<div class='d'>{detail}</div></td>"
     )
 
@@ -91,7 +91,9 @@ def _html(implementations: dict[str, str], cases: list[Case], results: dict[str,
     head = "".join(
         f"<th>{html.escape(n)}<div class='d'>{html.escape(implementations[n] or 'ours')}</div></th>" for n in names
     )
-    counts = {n: {s: sum(1 for r in results.get(n, {}).values() if r["status"] == s) for s in _COLOURS} for n in names}
+    counts = {
+        n: {s: sum(1 for r in results.get(n, {}).values() if r["status"] == s) for s in VERDICT_COLOURS} for n in names
+    }
     totals = "".join("<td>" + ", ".join(f"{s} {k}" for s, k in counts[n].items() if k) + "</td>" for n in names)
     rows = "".join(
         f"<tr><td><b>{c.id}</b> {html.escape(c.name)}<div class='d'>needs {', '.join(c.needs)}</div></td>"
