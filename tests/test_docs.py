@@ -107,6 +107,11 @@ def module_problem(name: str) -> str | None:
     return None
 
 
+# git-ignored folders the project's commands write (the sweep's runs/, make test-torch's venvs): named
+# in the docs, absent from a fresh clone
+WRITTEN_FOLDERS = ("runs", ".venvs")
+
+
 def token_problem(token: str, fenced: bool) -> str | None:
     """Why a token of a code span or block names nothing in the repository (None: fine or not a path)."""
     token = token.strip("\"'`,;:()").rstrip(".")
@@ -119,7 +124,7 @@ def token_problem(token: str, fenced: bool) -> str | None:
         return None
     if MODULE_TOKEN.match(token):
         return module_problem(token)
-    if token.startswith("/") or not PATH_TOKEN.match(token) or token == "runs" or token.startswith("runs/"):
+    if token.startswith("/") or not PATH_TOKEN.match(token) or token.split("/")[0] in WRITTEN_FOLDERS:
         return None
     if "/" in token:
         path = ROOT / token
