@@ -123,3 +123,25 @@ def recovers_after_a_failed_iteration(failing: str) -> None:
     registered = named_params(model)
     for name, param in params.items():
         checks.true(f"{name}: the sharded param is registered again", registered[name] is param)
+
+
+def unshard_across_the_optimizer_step(waited: bool) -> None:
+    """A nested call's ``unshard(async_op=True)`` issued before each optimizer step, its handle
+    waited after the step or never (the next forward meets the all-gather in flight): every step's
+    loss and grads equal DDP's, so that forward computed with the stepped params, not the old ones."""
+    checks = StrictChecks("FSDP 1D fp32")
+    model = MLP(DIMS)
+    ddp = ddp_of(model)
+    shard_nested(model, model.layers, mesh=checks.mesh)
+    opts = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step, batch in enumerate(rank_batches(checks.rank, (4, DIMS[0]), 3, first=1)):
+        ref_loss = square_mean(ddp, batch)
+        ref_loss.backward()
+        loss = square_mean(model, batch)
+        loss.backward()
+        checks.close(f"step {step} loss", loss, ref_loss, checks.tol.loss)
+        record_grads(checks, f"step {step}", named_params(model), ddp, checks.tol.grad)
+        handle = model.layers[1].unshard(async_op=True)
+        step_optimizers(opts)
+        if waited and handle is not None:
+            handle.wait()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -196,6 +197,27 @@ def test_regressions_and_replays_pass(request, cluster):
         if not result.passed:
             failed.append(f"{target}: {result.failure}")
     assert not failed, "\n".join(failed)
+
+
+def _replays_named_by(known_defects: dict) -> list[str]:
+    """The replay ids an adapter's known defects name (ten hex digits each)."""
+    return sorted({found for text in known_defects.values() for found in re.findall(r"\b[0-9a-f]{10}\b", text)})
+
+
+def test_fsdp2s_known_defects_still_fail_on_it_and_are_regressions_ours_passes():
+    """Each replay torch FSDP2's known defects name is a committed regression (ours passes it:
+    ``test_regressions_and_replays_pass``) and still fails on FSDP2: were torch to fix one, this says
+    so, and its combination can be drawn for FSDP2 again."""
+    from tests.kit.judging.adapters.fsdp2 import KNOWN_DEFECTS
+    from tests.kit.runtime.cluster import RankCluster
+
+    replays = _replays_named_by(KNOWN_DEFECTS)
+    assert len(replays) >= len(KNOWN_DEFECTS), KNOWN_DEFECTS
+    configs_ = {name: load(name) for name in replays}
+    assert all((REGRESSIONS / f"{name}.json").exists() for name in replays), replays
+    with RankCluster.start(max(c.world for c in configs_.values()), implementation="torch") as fsdp2:
+        passed = [name for name, config in configs_.items() if run_config(fsdp2, config).passed]
+    assert not passed, f"torch FSDP2 passes its known defects' replays {passed}: drop them from KNOWN_DEFECTS"
 
 
 def test_the_explorer_finds_nothing_within_its_budget(cluster, tmp_path):

@@ -669,6 +669,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "        self.forward_order.clear()\n",
         "            state.training_state = TrainingState.IDLE\n        self.states_in_iteration.clear()\n",
     ),
+    Mutant(
+        "70",
+        PARAM_GROUP,
+        "unshard across the optimizer step (in flight)",
+        "an unshard meeting its own all-gather still in flight takes it as it is, though the shards changed "
+        "since it was issued (an optimizer step): the next forward, or a prefetch in it, computes with the "
+        "params before the step",
+        "        if self.state is ShardedState.UNSHARDING and self._all_gather.is_stale:\n"
+        "            self.wait_for_unshard()  # issued before the shards changed: finish it, then redo it\n",
+        "",
+    ),
 )
 
 

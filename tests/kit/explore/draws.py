@@ -134,10 +134,11 @@ def configs(
     config.steps[0].reset_iter_state = False  # its use: after an iteration (torch FSDP2 raises before any)
     across = {"unshard_reshard", "unshard_across_step"}
     if across <= features and len(config.steps) > 1 and not any(c <= across for c in avoid) and one_in(draw, 4):
-        # an unshard issued before the optimizer step, waited after it: rare by chance (one step's
+        # an unshard issued at the end of one step, met by the next: rare by chance (one step's
         # unshard, one way of four, never the first step's), so drawn on its own too
         later = draw(st.sampled_from(config.steps[1:]))
-        later.unshard, later.unshard_how = draw(st.integers(0, len(config.groups) - 1)), "across step"
+        later.unshard = draw(st.integers(0, len(config.groups) - 1))
+        draw(across_step(config, later))
     if "reset_iter_state" in features and mostly(draw):
         # a forward failing at a drawn call (the root half the time: every call's forward done, so the
         # next backward's implicit prefetch meets all they left), then reset_iter_state(), before a drawn step
@@ -299,6 +300,18 @@ def reduce_controls(draw: Any, group: Group, features: frozenset[str]) -> None:
 
 
 @st.composite
+def across_step(draw: Any, config: Config, step: Step) -> None:
+    """``step``'s unshard issued at the end of the step before it, as a user orders it: before
+    ``clip_grad_norm_`` (where every param is a DTensor on the one mesh, as it needs), before the
+    optimizer step, or after it before ``zero_grad``; its handle waited after the step, or never (the
+    forward, or a prefetch in it, meets the all-gather in flight)."""
+    step.unshard_how = "across step"
+    one_mesh = all(g.mesh == "mesh" and not g.ignored for g in config.groups)
+    step.across_at = draw(st.sampled_from(("step", "zero_grad", "clip") if one_mesh else ("step", "zero_grad")))
+    step.across_waited = draw(st.booleans())
+
+
+@st.composite
 def placements(draw: Any, shape: tuple[int, ...], shard: int, features: frozenset[str]) -> str | None:
     """None (Shard(0)), or Shard(d) / Replicate() where declared and where the layout allows."""
     if not one_in(draw, 3):
@@ -354,6 +367,8 @@ def steps(draw: Any, config: Config, features: frozenset[str]) -> Step:
         step.unshard = draw(st.integers(0, n_groups - 1))
         hows = ["async", "sync", "then reshard"] + (["across step"] if "unshard_across_step" in features else [])
         step.unshard_how = draw(st.sampled_from(hows))
+        if step.unshard_how == "across step":
+            draw(across_step(config, step))
     if "reset_iter_state" in features and one_in(draw, 6):
         step.reset_iter_state = True
     step.eval_forward = one_in(draw, 6)

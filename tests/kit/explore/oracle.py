@@ -28,6 +28,7 @@ taken at any point holds the sharded params, and loading it back changes nothing
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from typing import Any
 
@@ -258,19 +259,33 @@ class Example(Invariants, Timing, Received, SetUps):
             self._check_hook_inputs(f"step {index}")
             self._check_grads(f"step {index}")
             following = steps[index + 1] if index + 1 < len(steps) else None
-            across = following is not None and following.unshard is not None and following.unshard_how == "across step"
-            handle = self.hsdp_modules[following.unshard][0].unshard(async_op=True) if across else None
-            with impl.optimizer_step():
-                for opt in opts:
-                    opt.step()
-            self._zero_grad(step, opts)
-            self._check_params(f"step {index}")
-            if across:  # issued before the step, waited after it: the next forward must use the stepped params
-                self._note_stepped(self._first_unit(following.unshard))
-                if handle is not None:
-                    handle.wait()
-                # unsharded but stale: gathered again at the wait or at the next unshard, either way
-                self.gathers.forget([self._first_unit(following.unshard)])
+            across = following if following is not None and following.unshard_how == "across step" else None
+            self._end_step(index, step, opts, across)
+
+    def _end_step(self, index: int, step: Any, opts: tuple, across: Any) -> None:
+        """The optimizer step and zero_grad, with the next step's "across step" unshard issued where
+        it says (before clip_grad_norm_, before the step, or before zero_grad) and its handle waited
+        after them or never: the next forward, or a prefetch in it, must use the stepped params."""
+        at = across.across_at if across is not None and across.unshard is not None else None
+        handle = None
+        if at in ("clip", "step"):
+            handle = self.hsdp_modules[across.unshard][0].unshard(async_op=True)
+        if at == "clip":  # no clipping (an infinite bound scales by exactly 1): the norm's collectives meet the gather
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), math.inf)
+        with impl.optimizer_step():
+            for opt in opts:
+                opt.step()
+        if at == "zero_grad":
+            handle = self.hsdp_modules[across.unshard][0].unshard(async_op=True)
+        self._zero_grad(step, opts)
+        self._check_params(f"step {index}")
+        if at is None:
+            return
+        self._note_stepped(self._first_unit(across.unshard))
+        if across.across_waited and handle is not None:
+            handle.wait()
+        # unsharded but stale, or still gathering: gathered again, waited, or both by the next unshard
+        self.gathers.forget([self._first_unit(across.unshard)])
 
     def _unshard(self, index: int, how: str) -> None:
         """Call ``index``'s first module unsharded before the step's first forward, as ``how`` says."""

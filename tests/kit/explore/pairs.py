@@ -41,6 +41,10 @@ CACHE = Path(__file__).resolve().parents[3] / "runs" / "l4" / "cover"
 SHIPPED = Path(__file__).with_name("cover")  # a default run's covering, committed (``--ship-cover``)
 
 Pair = tuple[str, str]
+ACROSS = frozenset({"unshard_reshard", "unshard_across_step"})
+IN_FLIGHT = "an unshard issued before the optimizer step, never waited: the next forward meets it in flight"
+IN_FLIGHT_PREFETCHED = "an unshard issued before the optimizer step, never waited, met by a forward prefetch"
+ACROSS_CLIP = "an unshard issued before clip_grad_norm_ and the optimizer step"
 EXTRA_POOLS = 4  # more pools of POOL // 4 drawn (from the next seeds) while an allowed interplay is missing
 # what each interplay needs declared (and the fewest ranks): the possible ones are counted whether or
 # not a pool happens to hold them, so a change of the draws cannot hide one
@@ -62,6 +66,9 @@ INTERPLAY_NEEDS: dict[str, tuple[frozenset[str], int]] = {
         frozenset({"reset_iter_state"}),
         2,
     ),
+    IN_FLIGHT: (ACROSS, 2),
+    IN_FLIGHT_PREFETCHED: (ACROSS | {"prefetch"}, 2),
+    ACROSS_CLIP: (ACROSS, 2),
 }
 
 
@@ -84,7 +91,8 @@ def interplays(config: Config) -> set[str]:
     """The rare interplays the configuration holds, that a pair of features does not name: a
     ``recurse=False`` setter on the root above other calls (where it differs from ``recurse=True``),
     an int ``reshard_after_forward`` replaced by a bool, a main grad cleared by ``HSDPModule.zero_grad``
-    before another step, a failed forward before a backward whose implicit prefetch is judged."""
+    before another step, a failed forward before a backward whose implicit prefetch is judged, an
+    unshard across the optimizer step in flight at the next forward or before ``clip_grad_norm_``."""
     found = set()
     n = len(config.groups)
     for step in config.steps:
@@ -105,6 +113,26 @@ def interplays(config: Config) -> set[str]:
         found.add("a main grad cleared by HSDPModule.zero_grad before another step")
     if _failure_before_timed_backward(config):
         found.add("a failed forward and reset_iter_state() before a backward whose implicit prefetch is judged")
+    return found | _across_step(config)
+
+
+def _across_step(config: Config) -> set[str]:
+    """The orders of an unshard across the optimizer step that its stale gather meets: in flight at
+    the next forward (at a prefetch of it, where the unit is not the first forward reaches: the root),
+    or issued before ``clip_grad_norm_``'s collectives."""
+    found: set[str] = set()
+    if config.world < 2:
+        return found  # one rank's gather is a copy: counted where there is a collective in flight
+    root = len(config.groups) - 1
+    for step in config.steps[1:]:
+        if step.unshard is None or step.unshard_how != "across step" or step.across_at == "zero_grad":
+            continue  # issued after the optimizer step: nothing stale
+        if not step.across_waited:
+            found.add(IN_FLIGHT)
+            if config.prefetch and step.unshard != root:
+                found.add(IN_FLIGHT_PREFETCHED)
+        if step.across_at == "clip":
+            found.add(ACROSS_CLIP)
     return found
 
 

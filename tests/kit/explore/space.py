@@ -108,9 +108,16 @@ class Step:
     sync_group: int | None = None  # held back by set_requires_gradient_sync on group i alone (recurse=False)
     unshard: int | None = None  # a group unshard()-ed before the first forward, as ``unshard_how`` says
     # "async": unshard(async_op=True), waited at once; "sync": unshard(); "then reshard": unshard(),
-    # reshard(); "across step": unshard(async_op=True) issued before the previous step's optimizer
-    # step and waited after it (the gathered params must be the stepped ones); the first step: "async"
+    # reshard(); "across step": unshard(async_op=True) issued at the end of the previous step, where
+    # ``across_at`` says, and its handle waited after the optimizer step or never (``across_waited``):
+    # the next forward computes with the stepped params either way; the first step: "async"
     unshard_how: str = "async"
+    # where the previous step issues an "across step" unshard: "clip" (before clip_grad_norm_ and the
+    # optimizer step), "step" (before the optimizer step), "zero_grad" (after the step, before zero_grad)
+    across_at: str = "step"
+    # the handle waited right after the optimizer step (and zero_grad), or never: then the next forward,
+    # or a prefetch in it, meets the all-gather still in flight
+    across_waited: bool = True
     reset_iter_state: bool = False  # the root's reset_iter_state() before the step (nothing in flight)
     # a forward (with grad) raising as call i's first module finishes, caught, then the root's
     # reset_iter_state() (FSDP2's recovery), before the step's own controls

@@ -98,7 +98,8 @@ FEATURES: dict[str, str] = {
     "share_comm_ctx": "share_comm_ctx(modules): accepts sharded roots, refuses other modules",
     "reduce_scatter_unused_params": "set_reduce_scatter_unused_params(True): params unused on a rank reduce zeros",
     "separate_reduce_scatter_group": "set_separate_reduce_scatter_group(): reduce-scatters on a group of their own",
-    "unshard_across_step": "unshard(async_op=True) issued before an optimizer step, waited after: the stepped params",
+    "unshard_across_step": "unshard(async_op=True) issued before an optimizer step, waited after or met in flight: "
+    "the stepped params",
 }
 
 

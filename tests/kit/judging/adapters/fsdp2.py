@@ -134,8 +134,9 @@ KNOWN_DEFECTS = {
     "is kept, so the next backward's implicit prefetch follows a stale entry and all-gathers a module "
     "it has just resharded: a wasted all-gather, and that module left unsharded (replay b65534cf62)",
     frozenset({"unshard_across_step"}): "an async unshard issued before the optimizer step copies the shards at "
-    "issue: waited after the step, the module computes with the params before the step (no guard; L1-01's "
-    "extra check; replay 2649083d4e)",
+    "issue: waited after the step, or never waited (the next forward meets it in flight), the module computes "
+    "with the params before the step (no guard; L1-01's extra check; replays 2649083d4e, waited, and "
+    "8936449209, in flight)",
 }
 
 
