@@ -18,13 +18,17 @@ so machine noise hits both alike. Printed, with the ratio ours / FSDP2:
   step, against the theoretical minimum for fp32 FSDP with a root kept after forward:
   ``(W-1)/W x (3 P - P_root)`` (all-gather in forward P, in backward P - P_root, reduce-scatter P).
 
-The losses of both, every step and rank, must agree within the registry's ``FSDP 1D fp32`` loss
+At world size 1 (``BENCH_NPROC=1``) the same model unsharded (``plain``) trains beside them, and the
+table adds ours / plain and FSDP2 / plain: what sharding costs where there is nothing to communicate.
+
+The losses of all, every step and rank, must agree within the registry's ``FSDP 1D fp32`` loss
 tolerance, else the exit status is 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import cProfile
 import json
@@ -59,6 +63,7 @@ from tests.kit.workloads.networks import LLM_SEQ, cross_entropy_loss, llm_decode
 from tests.kit.workloads.vision import image_batch, vit  # noqa: E402
 
 ENGINES = {"ours": "", "fsdp2": "torch"}  # name -> implementation spec of the kit's surface
+PLAIN = "plain"  # at world size 1: the same model unsharded, the same AdamW (what sharding costs there)
 Batch = tuple[torch.Tensor, torch.Tensor]
 MAXED = ("step_ms", "cpu_ms", "peak_bytes", "saved_bytes", "wire_bytes")  # reported as the max over ranks
 
@@ -80,13 +85,18 @@ WORKLOADS = {
 
 
 class Trainer:
-    """One implementation's sharded copy of the model and its AdamW, with what its steps measured."""
+    """One implementation's sharded copy of the model and its AdamW (``PLAIN``: the model unsharded,
+    at world size 1), with what its steps measured."""
 
-    def __init__(self, name: str, base: nn.Module, work: Workload, mesh: Any, device: torch.device) -> None:
-        self.name, self.impl = name, load(parse_spec(ENGINES[name]))
+    def __init__(
+        self, name: str, base: nn.Module, work: Workload, mesh: Any, device: torch.device, foreach: bool | None
+    ) -> None:
+        self.name = name
+        self.impl = None if name == PLAIN else load(parse_spec(ENGINES[name]))
         self.model = copy.deepcopy(base).to(device)
-        shard(self.impl, self.model, work.blocks(self.model), mesh)
-        self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.01)
+        if self.impl is not None:
+            shard(self.impl, self.model, work.blocks(self.model), mesh)
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.01, foreach=foreach)
         self.losses: list[float] = []
         self.wall: list[float] = []
         self.cpu: list[float] = []
@@ -98,7 +108,7 @@ class Trainer:
         self.optim.zero_grad(set_to_none=True)
         loss = cross_entropy_loss(self.model(inputs), targets)
         loss.backward()
-        with self.impl.optimizer_step():
+        with self.impl.optimizer_step() if self.impl is not None else contextlib.nullcontext():
             self.optim.step()
         self.losses.append(loss.item())
         return self.losses[-1]
@@ -162,13 +172,14 @@ def bench(name: str, args: argparse.Namespace, mesh: Any, device: torch.device) 
     rank, world = dist.get_rank(), dist.get_world_size()
     work = WORKLOADS[name]
     base = work.build()
-    trainers = [Trainer(engine, base, work, mesh, device) for engine in args.order]
+    trainers = [Trainer(engine, base, work, mesh, device, args.foreach) for engine in args.order]
     batch = args.batch or work.batch
     batches = [
         tuple(t.to(device) for t in work.data(base, i, rank, batch)) for i in range(args.warmup + args.steps + 2)
     ]
     for i, data in enumerate(batches[: args.warmup + args.steps]):
-        for trainer in trainers if i % 2 == 0 else trainers[::-1]:
+        turn = i % len(trainers)  # each goes first in turn, so machine noise hits all alike
+        for trainer in trainers[turn:] + trainers[:turn]:
             if i < args.warmup:
                 trainer.step(data)
             else:
@@ -178,8 +189,7 @@ def bench(name: str, args: argparse.Namespace, mesh: Any, device: torch.device) 
     if args.profile:
         profile(trainers, batches[: args.profile], rank)
     losses = {t.name: t.losses for t in trainers}
-    pairs = zip(losses["ours"], losses["fsdp2"], strict=True)
-    diff = max(abs(a - b) if math.isfinite(a + b) else math.inf for a, b in pairs)  # a NaN loss fails
+    diff = max(_loss_diff(losses["ours"], losses[other]) for other in losses if other != "ours")
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, ({t.name: t.numbers for t in trainers}, diff, losses["ours"]))
     engines: dict[str, dict[str, Any]] = {}
@@ -203,9 +213,20 @@ def bench(name: str, args: argparse.Namespace, mesh: Any, device: torch.device) 
     }
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def _loss_diff(a: list[float], b: list[float]) -> float:
+    """The largest step-by-step difference of two runs' losses; a NaN loss is an infinite one."""
+    return max(abs(x - y) if math.isfinite(x + y) else math.inf for x, y in zip(a, b, strict=True))
+
+
 def report(result: dict[str, Any], atol: float) -> None:
-    """One table per model: ours, FSDP2 and ours / FSDP2."""
+    """One table per model: ours, FSDP2 and ours / FSDP2 (at world size 1 also the plain model, and
+    ours / plain and FSDP2 / plain: what sharding costs where there is nothing to communicate)."""
     ours, fsdp2 = result["engines"]["ours"], result["engines"]["fsdp2"]
+    plain = result["engines"].get(PLAIN)
     mib = 2.0**20
     rows = [
         ("step time, wall (median; max over ranks)", "step_ms", 1.0, "ms"),
@@ -218,21 +239,27 @@ def report(result: dict[str, Any], atol: float) -> None:
         f"\n{result['model']}: {result['params']:,} params ({result['param_bytes'] / mib:.2f} MiB, root "
         f"{result['root_param_bytes'] / mib:.2f} MiB), batch {result['batch_per_rank']} per rank"
     )
-    print(f"  {'':<42}{'ours':>12}{'FSDP2':>12}{'ours/FSDP2':>12}")
+    extra = f"{'plain':>12}{'ours/plain':>12}{'FSDP2/plain':>12}" if plain else ""
+    print(f"  {'':<42}{'ours':>12}{'FSDP2':>12}{'ours/FSDP2':>12}{extra}")
     for label, key, unit, suffix in rows:
         a, b = ours[key] / unit, fsdp2[key] / unit
-        print(f"  {label:<42}{a:>8.2f} {suffix:<3}{b:>8.2f} {suffix:<3}{a / b if b else float('nan'):>12.3f}")
+        line = f"  {label:<42}{a:>8.2f} {suffix:<3}{b:>8.2f} {suffix:<3}{_ratio(a, b):>12.3f}"
+        if plain:
+            c = plain[key] / unit
+            line += f"{c:>8.2f} {suffix:<3}{_ratio(a, c):>12.3f}{_ratio(b, c):>12.3f}"
+        print(line)
     low = result["wire_min_bytes"]
     ratios = f"ours {ours['wire_bytes'] / low:.3f}, FSDP2 {fsdp2['wire_bytes'] / low:.3f}" if low else "n/a (one rank)"
     print(f"  {'wire minimum (W-1)/W (3P - P_root)':<42}{low / mib:>8.2f} MiB   wire / minimum: {ratios}")
-    for name, e in (("ours", ours), ("FSDP2", fsdp2)):
+    for name, e in (("ours", ours), ("FSDP2", fsdp2)) + ((("plain", plain),) if plain else ()):
         calls = ", ".join(f"{op} x{n}" for op, n in sorted(e["collectives"].items()))
         print(
             f"  collectives per step, {name}: {calls}; step ms per rank {[round(v, 1) for v in e['step_ms_per_rank']]}"
         )
     verdict = "agree" if result["loss_max_abs_diff"] <= atol else "DIFFER"
+    others = "FSDP2, plain" if plain else "FSDP2"
     print(
-        f"  losses {verdict}: max |ours - FSDP2| {result['loss_max_abs_diff']:.2e} (tolerance {atol:g}), "
+        f"  losses {verdict}: max |ours - ({others})| {result['loss_max_abs_diff']:.2e} (tolerance {atol:g}), "
         f"loss {result['losses_rank0'][0]:.4f} -> {result['losses_rank0'][-1]:.4f}"
     )
 
@@ -246,11 +273,18 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=0, help="samples per rank (default: the model's)")
     parser.add_argument("--order", default="ours,fsdp2", help="which implementation steps first, then alternating")
     parser.add_argument("--profile", type=int, default=0, help="cProfile this many more steps of each, rank 0")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: the cores / ranks)")
+    parser.add_argument(
+        "--foreach",
+        action="store_true",
+        default=None,
+        help="AdamW(foreach=True), torch's default on accelerators (on the CPU its default is one tensor at a time)",
+    )
     parser.add_argument("--json", default=None, help="write the numbers to this file (rank 0)")
     args = parser.parse_args()
     args.order = [e.strip() for e in args.order.split(",")]
-    if sorted(args.order) != sorted(ENGINES):
-        parser.error(f"--order must name each of {sorted(ENGINES)} once")
+    if sorted(e for e in args.order if e != PLAIN) != sorted(ENGINES) or args.order.count(PLAIN) > 1:
+        parser.error(f"--order must name each of {sorted(ENGINES)} once (and {PLAIN!r} at most once)")
     models = [m.strip() for m in args.models.split(",")]
     if not set(models) <= set(WORKLOADS):
         parser.error(f"--models must be among {sorted(WORKLOADS)}")
@@ -260,7 +294,13 @@ def main() -> int:
     devices.bind(device_type, int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
     world = dist.get_world_size()
-    if device_type == "cpu":
+    if world == 1 and PLAIN not in args.order:
+        args.order.append(PLAIN)  # one rank: sharding's own cost, against the model unsharded
+    elif world > 1 and PLAIN in args.order:
+        parser.error(f"--order names {PLAIN!r}: the unsharded model is benchmarked at world size 1 only")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif device_type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     device = devices.compute_device()
     mesh = load(parse_spec(ENGINES["ours"])).init_mesh(device.type, (world,), ("dp",))
@@ -272,7 +312,8 @@ def main() -> int:
     if dist.get_rank() == 0:
         print(
             f"\nours vs torch FSDP2 | {device.type} x{world} ranks, {torch.get_num_threads()} thread(s)/rank, "
-            f"torch {torch.__version__}, {args.warmup} warm-up + {args.steps} measured steps (+2 instrumented)"
+            f"torch {torch.__version__}, {args.warmup} warm-up + {args.steps} measured steps (+2 instrumented), "
+            f"AdamW foreach={args.foreach}"
         )
         for result in results:
             report(result, atol)

@@ -130,12 +130,14 @@ def start_all_gather(
     replicated, gathered in place or its group has one rank, else when the gather is waited for (so
     a prefetched gather holds only its buffers until then)."""
     # whole on every rank (replicated, or a one-rank shard group): a copy, or the shard itself
-    whole = [p for p in params if p.is_whole]
-    sharded = [p for p in params if not p.is_whole]
-    for param in whole:
-        param.alloc_unsharded()
-        param.copy_replicated_in()
-        param.note_gathered()
+    sharded = []
+    for param in params:
+        if not param.is_whole:
+            sharded.append(param)
+        elif not param.aliases_shard:  # else the shard is its own compute param: nothing to fill or go stale
+            param.alloc_unsharded()
+            param.copy_replicated_in()
+            param.note_gathered()
     group = post_forward or mesh_info.shard_group
     is_post_forward = post_forward is not None
     if not sharded:
@@ -200,6 +202,11 @@ class Arithmetic:
     scale_before: float | None = None
     divide_before: float | None = None
     divide_after: float | None = None
+
+    @property
+    def is_identity(self) -> bool:
+        """Over one rank, whether it leaves a grad as it is (no scaling, no division but by 1)."""
+        return self.scale_before is None and self.divide_before in (None, 1) and self.divide_after in (None, 1)
 
 
 def split_division(divisor: float) -> tuple[float, float]:
@@ -273,11 +280,21 @@ class Reduction:
     mesh_info: MeshInfo
     settings: ReduceSettings
     pieces: list[Piece] = field(default_factory=list)
+    # one rank, nothing to communicate: each param's own grad, reduced where it lies (no flat buffer
+    # to copy into and out of), with the arithmetic of its dtype
+    alone: list[tuple[HSDPParam, torch.Tensor, Arithmetic]] = field(default_factory=list)
     done: bool = False
 
     def wait(self) -> None:
         if self.done:
             return
+        plain = self.settings.scaling_factor is None  # and no hook: ``alone`` is made only without one
+        for param, grad, arithmetic in self.alone:
+            if not (plain and arithmetic.is_identity):
+                _before_collective(grad, arithmetic)
+                self._finish(grad, arithmetic.divide_after)
+            param.apply_reduced_grad(grad if grad.is_contiguous() else grad.contiguous(), owned=True)
+        self.alone.clear()
         for piece in self.pieces:
             _wait(piece.work)
         if self.settings.all_reduce_replicas and self.mesh_info.is_hsdp and self.mesh_info.replicate_size > 1:
@@ -329,6 +346,13 @@ def start_reduction(
     replicas = settings.all_reduce_replicas and mesh_info.is_hsdp
     ranks = mesh_info.shard_size * (mesh_info.replicate_size if replicas else 1)
     reduction = Reduction(mesh_info, settings)
+    if mesh_info.shard_size == 1 and not replicas and settings.all_reduce_hook is None:
+        # one rank, and nothing that sees a flat buffer (an all-reduce over replicas, the user's hook)
+        arithmetic = {dtype: settings.arithmetic(ranks, dtype, mesh_info.averages) for dtype in _dtypes(params)}
+        reduction.alone = [(p, p.unreduced_grad, arithmetic[p.reduce_dtype]) for p in params]
+        for param in params:
+            param.unreduced_grad = None
+        return reduction
     sharded = [p for p in params if not p.is_replicated]
     replicated = [p for p in params if p.is_replicated]
     group = mesh_info.shard_group
@@ -349,6 +373,10 @@ def _before_collective(flat: torch.Tensor, arithmetic: Arithmetic) -> None:
         flat.mul_(arithmetic.scale_before)
     if arithmetic.divide_before is not None and arithmetic.divide_before != 1:
         flat.div_(arithmetic.divide_before)
+
+
+def _dtypes(params: Sequence[HSDPParam]) -> set[torch.dtype]:
+    return {param.reduce_dtype for param in params}
 
 
 def _batches(params: list[HSDPParam], fused: bool) -> list[list[HSDPParam]]:

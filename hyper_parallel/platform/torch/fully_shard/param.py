@@ -488,8 +488,10 @@ class HSDPParam:
         rows = self.rows_of(self.mesh_info.shard_rank)
         return flat.view(self.padded_shard_shape).narrow(self.dim, 0, rows)
 
-    def apply_reduced_grad(self, reduced: torch.Tensor) -> None:
-        """Accumulate a reduced grad shard into ``param.grad`` (or the fp32 main grad)."""
+    def apply_reduced_grad(self, reduced: torch.Tensor, owned: bool = False) -> None:
+        """Accumulate a reduced grad shard into ``param.grad`` (or the fp32 main grad). ``owned``:
+        ``reduced`` is no buffer's but this param's alone, so it becomes the grad without a copy
+        where dtype and device already match."""
         param = self.sharded_param
         target_dtype = torch.float32 if self.use_main_grad else self.orig_dtype
         current = param.grad
@@ -500,8 +502,10 @@ class HSDPParam:
         if main is not None:
             main._local_tensor.copy_(reduced)
         else:
-            local = torch.empty(reduced.shape, dtype=target_dtype, device=self.shard_device)
-            local.copy_(reduced)
+            adopt = owned and reduced.dtype == target_dtype and reduced.device == self.shard_device
+            local = reduced if adopt else torch.empty(reduced.shape, dtype=target_dtype, device=self.shard_device)
+            if not adopt:
+                local.copy_(reduced)
             main = self.to_dtensor(local)
             if self.use_main_grad:
                 param.main_grad = main
