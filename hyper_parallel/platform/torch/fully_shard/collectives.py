@@ -350,9 +350,22 @@ def start_reduction(
         # one rank, and nothing that sees a flat buffer (an all-reduce over replicas, the user's hook)
         arithmetic = {dtype: settings.arithmetic(ranks, dtype, mesh_info.averages) for dtype in _dtypes(params)}
         reduction.alone = [(p, p.unreduced_grad, arithmetic[p.reduce_dtype]) for p in params]
-        for param in params:
-            param.unreduced_grad = None
-        return reduction
+    else:
+        _start_collectives(reduction, params, fused, ranks, reduce_scatter_group)
+    for param in params:
+        param.unreduced_grad = None
+    return reduction
+
+
+def _start_collectives(
+    reduction: Reduction,
+    params: Sequence[HSDPParam],
+    fused: bool,
+    ranks: int,
+    reduce_scatter_group: ProcessGroup | None,
+) -> None:
+    """The reduce-scatters (and all-reduces of replicated params) of ``params``, into ``reduction``."""
+    mesh_info, settings = reduction.mesh_info, reduction.settings
     sharded = [p for p in params if not p.is_replicated]
     replicated = [p for p in params if p.is_replicated]
     group = mesh_info.shard_group
@@ -362,9 +375,6 @@ def start_reduction(
     for batch in _batches(replicated, fused):
         arithmetic = settings.arithmetic(ranks, batch[0].reduce_dtype, mesh_info.averages)
         reduction.pieces.append(_start_all_reduce(batch, group, arithmetic))
-    for param in params:
-        param.unreduced_grad = None
-    return reduction
 
 
 def _before_collective(flat: torch.Tensor, arithmetic: Arithmetic) -> None:
