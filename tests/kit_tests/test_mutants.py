@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import pytest
 
 from tools.mutants import cli, matrix, runner
 from tools.mutants.catalogue import ENGINE_FILES, MUTANTS, Mutant, MutantError, select
+from tools.mutants.locate import ENGINE_ROOT, engine_sources
 from tools.mutants.report import render_html, write_report
 from tools.mutants.runner import (
     REPO_ROOT,
@@ -71,13 +74,95 @@ def test_mutant_is_well_formed(mutant: Mutant):
     assert mutant.find != mutant.replace
 
 
+@functools.cache
+def _head_engine() -> dict[str, str]:
+    """The engine's files at HEAD (the working tree's outside a git checkout): relative path -> text."""
+    listed = subprocess.run(["git", "ls-files", ENGINE_ROOT], cwd=REPO_ROOT, capture_output=True, text=True)
+    files = [f for f in listed.stdout.split() if f.endswith(".py")] if listed.returncode == 0 else []
+    if not files:
+        return engine_sources(REPO_ROOT)
+    return {f: _head_text(f) for f in files}
+
+
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.id)
 def test_mutant_applies_once_at_head_and_compiles(mutant: Mutant):
-    source = _head_text(mutant.file)
-    assert source.count(mutant.find) == 1
-    mutated = mutant.apply_to(source)
-    assert mutated != source
-    compile(mutated, mutant.file, "exec")
+    sources = _head_engine()
+    file, mutated = mutant.apply_in(sources)
+    assert mutated != sources[file]
+    compile(mutated, file, "exec")
+
+
+def _renamed_reindented_and_moved(sources: dict[str, str]) -> tuple[dict[str, str], dict[str, str], str]:
+    """The engine as a refactor leaves it, behaviour unchanged: every function a mutant edits renamed
+    (unless a mutant's own code calls it), one module-level function moved into a block of another
+    file (one level deeper), and every file's layout changed (blank lines, comments). (new sources, old name ->
+    new name, the moved function's name)."""
+    where = {m.id: m.locate(sources) for m in MUTANTS}
+    in_mutated_code = " ".join(m.find for m in MUTANTS)
+    names = {loc.qualname.split(".")[-1] for loc in where.values() if loc.qualname}
+    renames = {n: n + "_moved" for n in names if not re.search(rf"\b{n}\b", in_mutated_code) and n != "__init__"}
+    moved_name = next(  # a private module-level helper of api.py that a mutant edits, defined once there
+        loc.qualname
+        for loc in where.values()
+        if loc.qualname.startswith("_")
+        and "." not in loc.qualname
+        and loc.file.endswith("api.py")
+        and sources[loc.file].count(f"def {loc.qualname}(") == 1
+    )
+    changed = {}
+    for file, text in sources.items():
+        for old, new in renames.items():
+            text = re.sub(rf"\b{old}\b", new, text)
+        changed[file] = text
+    api = next(f for f in changed if f.endswith("core/fully_shard/api.py"))
+    utils = next(f for f in changed if f.endswith("core/fully_shard/utils.py"))
+    node = next(
+        n
+        for n in ast.parse(changed[api]).body
+        if isinstance(n, ast.FunctionDef) and n.name == renames.get(moved_name, moved_name)
+    )
+    lines = changed[api].splitlines(keepends=True)
+    body = "".join(lines[node.lineno - 1 : node.end_lineno])
+    changed[api] = "".join(lines[: node.lineno - 1] + lines[node.end_lineno :])
+    # moved one level deeper too: defined under a block of utils.py's, so its code is re-indented
+    deeper = "".join("    " + line if line.strip() else line for line in body.splitlines(True))
+    changed[utils] += "\n\nif True:\n" + deeper
+    return {f: _reflowed(t) for f, t in changed.items()}, renames, moved_name
+
+
+def _reflowed(text: str) -> str:
+    """A blank line after every line ending a block's header, a comment after every line ending inside
+    brackets with a comma: the layout changes, the tokens do not."""
+    out = []
+    for line in text.splitlines(keepends=True):
+        body = line.rstrip("\n")
+        if body.endswith(":"):
+            out.append(line + "\n")
+        elif body.endswith(",") and not body.lstrip().startswith("#"):
+            out.append(body + "  # reflowed\n")
+        else:
+            out.append(line)
+    return "".join(out)
+
+
+def test_every_mutant_survives_a_rename_a_move_and_a_reflow():
+    """A refactor that renames the functions mutants edit, moves one to another file one level deeper
+    and changes the engine's layout changes no behaviour, so every mutant must still apply once there
+    and compile, and be found in its function under the new name and in the new file."""
+    sources = _head_engine()
+    refactored, renames, moved_name = _renamed_reindented_and_moved(sources)
+    assert renames and refactored != sources
+    for file, text in refactored.items():
+        compile(text, file, "exec")  # the refactor itself is valid Python
+    for mutant in MUTANTS:
+        before, after = mutant.locate(sources), mutant.locate(refactored)
+        file, mutated = mutant.apply_in(refactored)
+        assert mutated != refactored[file], mutant.id
+        compile(mutated, file, "exec")
+        old_name = before.qualname.split(".")[-1]
+        assert after.qualname.split(".")[-1] == renames.get(old_name, old_name), (mutant.id, after.qualname)
+        if before.qualname == moved_name:
+            assert after.file.endswith("utils.py") and not before.file.endswith("utils.py"), mutant.id
 
 
 def test_select_parses_ids_and_ranges():
@@ -120,7 +205,7 @@ def test_an_edit_that_does_not_apply_once_fails_loudly(tmp_path: Path):
             apply_mutant(tmp_path, _toy_mutant(find))
     problems = check_applies(tmp_path, [_toy_mutant("a = 1\n"), _toy_mutant("a = 1\na")])
     assert len(problems) == 1 and "2 times" in problems[0]
-    with pytest.raises(MutantError, match="not in the tree"):
+    with pytest.raises(MutantError, match="occurs 0 times"):
         apply_mutant(tmp_path, Mutant("02", "pkg/none.py", "toy", "toy", "x", "y"))
 
 

@@ -1,15 +1,22 @@
-"""The mutant catalogue: bugs a developer of this engine could plausibly make, one exact edit each.
+"""The mutant catalogue: bugs a developer of this engine could plausibly make, one edit each.
 
-Every mutant names the engine file it edits, the feature it breaks, the bug in one line, and the
-edit: ``find`` must occur exactly once in the file, and is replaced by ``replace``. A mutant that
-no test can kill says why in ``equivalent`` (one line); every other one must be killed by a plan
-case, and by the cases and engine tests together. Ids are two digits, in file order.
+Every mutant names the engine file it was written against, the feature it breaks, the bug in one
+line, and the edit: the code ``find`` is replaced by ``replace``. The code is found by its Python
+tokens in whichever engine file holds it now (``locate.py``: indentation, line breaks, comments and
+the names around it do not count), and must occur exactly once in the engine, so moving, renaming or
+reflowing the code around it carries a mutant along. A mutant that no test can kill says why in
+``equivalent`` (one line); every other one must be killed by a plan case, and by the cases and engine
+tests together. Ids are two digits, in file order.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+
+from tools.mutants.locate import Location, engine_sources, locate, rewrite
 
 API = "hyper_parallel/core/fully_shard/api.py"
 UTILS = "hyper_parallel/core/fully_shard/utils.py"
@@ -38,12 +45,37 @@ class Mutant:
     replace: str
     equivalent: str = ""  # why no test can kill it; empty: it must be killed
 
+    def locate(self, sources: Mapping[str, str]) -> Location:
+        """Where the code to mutate is among ``sources`` (file -> text); ``MutantError`` unless once."""
+        try:
+            return locate(self.find, sources, f"mutant {self.id}")
+        except LookupError as exc:
+            raise MutantError(str(exc)) from None
+
+    def apply_in(self, sources: Mapping[str, str]) -> tuple[str, str]:
+        """(the file holding the code, its text with the edit made), re-indented to where the code is."""
+        where = self.locate(sources)
+        return where.file, rewrite(self.find, self.replace, sources[where.file], where)
+
     def apply_to(self, text: str) -> str:
-        """``text`` with the edit made; ``MutantError`` unless ``find`` occurs exactly once."""
-        count = text.count(self.find)
-        if count != 1:
-            raise MutantError(f"mutant {self.id}: its find text occurs {count} times in {self.file}, must be once")
-        return text.replace(self.find, self.replace, 1)
+        """``text`` (one file's) with the edit made; ``MutantError`` unless the code occurs once in it."""
+        return self.apply_in({self.file: text})[1]
+
+    def apply_in_tree(self, root: Path) -> tuple[Path, str, str]:
+        """(the file under ``root`` holding the code, its text now, its text mutated)."""
+        sources = tree_sources(root, self.file)
+        file, mutated = self.apply_in(sources)
+        return root / file, sources[file], mutated
+
+
+def tree_sources(root: Path, *also: str) -> dict[str, str]:
+    """The engine's files under ``root`` where a mutant's code may be, and ``also`` (a catalogue
+    file outside the engine package, as the harness's own tests use)."""
+    sources = engine_sources(root)
+    for extra in also:
+        if extra not in sources and (root / extra).is_file():
+            sources[extra] = (root / extra).read_text(encoding="utf-8")
+    return sources
 
 
 # mutant 65 swaps these two blocks of Reduction.wait (collectives.py)

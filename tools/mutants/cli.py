@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import matrix
-from .catalogue import MUTANTS, Mutant, MutantError, select
+from .catalogue import MUTANTS, Mutant, MutantError, select, tree_sources
 from .report import format_score, write_report
 from .runner import (
     REPO_ROOT,
@@ -104,11 +104,18 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def print_catalogue(mutants: Sequence[Mutant]) -> None:
-    """One line per mutant: id, file, feature, bug (and why it is equivalent, if it is)."""
+def print_catalogue(mutants: Sequence[Mutant], root: Path = REPO_ROOT) -> None:
+    """One line per mutant: id, where its code is now (file and function), feature, bug (and why it
+    is equivalent, if it is)."""
+    sources = tree_sources(root)
     for m in mutants:
         extra = f"  [equivalent: {m.equivalent}]" if m.equivalent else ""
-        print(f"{m.id}  {Path(m.file).name:<15} {m.feature:<32} {m.description}{extra}")
+        try:
+            where = m.locate(sources)
+            place = f"{Path(where.file).name}:{where.qualname or '<module>'}"
+        except MutantError as exc:
+            place = f"NOT FOUND ({exc})"
+        print(f"{m.id}  {place:<48} {m.feature:<32} {m.description}{extra}")
 
 
 def check_imports(snapshot: Path, mutants: Sequence[Mutant]) -> int:
@@ -118,9 +125,8 @@ def check_imports(snapshot: Path, mutants: Sequence[Mutant]) -> int:
     try:
         env = child_env(root, "check")
         for mutant in mutants:
-            path = root / mutant.file
-            original = path.read_text(encoding="utf-8")
-            path.write_text(mutant.apply_to(original), encoding="utf-8")
+            path, original, mutated = mutant.apply_in_tree(root)
+            path.write_text(mutated, encoding="utf-8")
             try:
                 problem = import_error(root, env)
             finally:

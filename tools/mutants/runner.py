@@ -84,20 +84,18 @@ def make_scratch(snapshot: Path, label: str) -> Path:
 
 
 def apply_mutant(root: Path, mutant: Mutant) -> None:
-    """Make the mutant's edit in the tree at ``root`` (``MutantError`` unless it applies once)."""
-    path = root / mutant.file
-    if not path.is_file():
-        raise MutantError(f"mutant {mutant.id}: {mutant.file} is not in the tree")
-    path.write_text(mutant.apply_to(path.read_text(encoding="utf-8")), encoding="utf-8")
+    """Make the mutant's edit in the tree at ``root``, in whichever file holds its code now
+    (``MutantError`` unless the code occurs exactly once)."""
+    path, _, mutated = mutant.apply_in_tree(root)
+    path.write_text(mutated, encoding="utf-8")
 
 
 def check_applies(root: Path, mutants: Sequence[Mutant]) -> list[str]:
     """One message per mutant whose edit does not apply exactly once to the tree at ``root``."""
     problems = []
     for mutant in mutants:
-        path = root / mutant.file
         try:
-            mutant.apply_to(path.read_text(encoding="utf-8"))
+            mutant.apply_in_tree(root)
         except (MutantError, OSError) as exc:
             problems.append(str(exc))
     return problems
