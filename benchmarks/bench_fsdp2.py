@@ -3,12 +3,12 @@
 Run ``python benchmarks/bench_fsdp2.py [--models decoder,vit] [--steps 10] [--json out.json]``; it
 re-executes itself under ``torchrun --nproc-per-node 2`` (``BENCH_NPROC`` overrides the count).
 
-Per model (``tests.kit.workloads.networks``: ``llm_decoder`` on token batches of seq 128, ``vit`` on 224 x 224
-images), each implementation of the kit's surface (ours: ``load(parse_spec(""))``, FSDP2:
-``load(parse_spec("torch"))``) shards a fresh copy of the seeded model bottom-up (each block, then the
-root; default ``reshard_after_forward``: the root keeps its params after forward) on one 1-D mesh and
-trains it with AdamW on the same per-rank batches. Steps interleave (which one goes first alternates),
-so machine noise hits both alike. Printed, with the ratio ours / FSDP2:
+Per model (``llm_decoder`` from ``tests.kit.workloads.networks`` on token batches of seq 128, ``vit`` from
+``tests.kit.workloads.vision`` on 224 x 224 images), each implementation of the kit's surface (ours:
+``load(parse_spec(""))``, FSDP2: ``load(parse_spec("torch"))``) shards a fresh copy of the seeded model
+bottom-up (each block, then the root; default ``reshard_after_forward``: the root keeps its params after
+forward) on one 1-D mesh and trains it with AdamW on the same per-rank batches. Steps interleave (which
+one goes first alternates), so machine noise hits both alike. Printed, with the ratio ours / FSDP2:
 
 - step time: the median over the measured steps of wall time and of process CPU time (steadier on a
   shared machine), per rank; the max over ranks;

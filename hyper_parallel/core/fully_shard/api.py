@@ -340,7 +340,7 @@ def fully_shard(
     """Shard ``module``'s params over ``mesh`` (1-D: FSDP, 2-D: HSDP) and hook its forward.
 
     A list shards each module as its own independently controlled group and returns a list.
-    docs/architecture.md ("The fully_shard contract") describes every argument.
+    docs/api.md ("Arguments") describes every argument.
     """
     modules = _check_modules(module)
     if dp_mesh_dims is not None:
