@@ -101,29 +101,31 @@ def _renamed_reindented_and_moved(sources: dict[str, str]) -> tuple[dict[str, st
     in_mutated_code = " ".join(m.find for m in MUTANTS)
     names = {loc.qualname.split(".")[-1] for loc in where.values() if loc.qualname}
     renames = {n: n + "_moved" for n in names if not re.search(rf"\b{n}\b", in_mutated_code) and n != "__init__"}
-    moved_name = next(  # a private module-level helper of api.py that a mutant edits, defined once there
-        loc.qualname
+    moved = next(  # a private module-level helper of core/ that a mutant edits, defined once there
+        loc
         for loc in where.values()
         if loc.qualname.startswith("_")
         and "." not in loc.qualname
-        and loc.file.endswith("api.py")
+        and "/core/" in loc.file
+        and not loc.file.endswith("utils.py")
         and sources[loc.file].count(f"def {loc.qualname}(") == 1
     )
+    moved_name = moved.qualname
     changed = {}
     for file, text in sources.items():
         for old, new in renames.items():
             text = re.sub(rf"\b{old}\b", new, text)
         changed[file] = text
-    api = next(f for f in changed if f.endswith("core/fully_shard/api.py"))
+    home = moved.file
     utils = next(f for f in changed if f.endswith("core/fully_shard/utils.py"))
     node = next(
         n
-        for n in ast.parse(changed[api]).body
+        for n in ast.parse(changed[home]).body
         if isinstance(n, ast.FunctionDef) and n.name == renames.get(moved_name, moved_name)
     )
-    lines = changed[api].splitlines(keepends=True)
+    lines = changed[home].splitlines(keepends=True)
     body = "".join(lines[node.lineno - 1 : node.end_lineno])
-    changed[api] = "".join(lines[: node.lineno - 1] + lines[node.end_lineno :])
+    changed[home] = "".join(lines[: node.lineno - 1] + lines[node.end_lineno :])
     # moved one level deeper too: defined under a block of utils.py's, so its code is re-indented
     deeper = "".join("    " + line if line.strip() else line for line in body.splitlines(True))
     changed[utils] += "\n\nif True:\n" + deeper

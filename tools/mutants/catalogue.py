@@ -19,6 +19,7 @@ from pathlib import Path
 from tools.mutants.locate import Location, engine_sources, locate, rewrite
 
 API = "hyper_parallel/core/fully_shard/api.py"
+INIT = "hyper_parallel/core/fully_shard/init.py"
 UTILS = "hyper_parallel/core/fully_shard/utils.py"
 _PLATFORM = "hyper_parallel/platform/torch/fully_shard/"
 MESH_INFO = _PLATFORM + "mesh_info.py"
@@ -26,7 +27,7 @@ PARAM = _PLATFORM + "param.py"
 PARAM_GROUP = _PLATFORM + "param_group.py"
 COLLECTIVES = _PLATFORM + "collectives.py"
 STATE = _PLATFORM + "state.py"
-ENGINE_FILES = (API, UTILS, MESH_INFO, PARAM, PARAM_GROUP, COLLECTIVES, STATE)
+ENGINE_FILES = (API, INIT, UTILS, MESH_INFO, PARAM, PARAM_GROUP, COLLECTIVES, STATE)
 
 
 class MutantError(ValueError):
@@ -101,18 +102,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "argument checks",
         "the list's shared-parameter check runs after the modules are sharded: a refused list leaves "
         "its modules sharded",
-        "    _check_disjoint(modules, plans)\n"
+        "    check_disjoint(modules, plans)\n"
         "    sharded = [\n"
-        "        _apply(m, plan, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion, "
+        "        shard_module(m, plan, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion, "
         "device, ignored)\n"
         "        for m, plan in zip(modules, plans, strict=True)\n"
         "    ]\n",
         "    sharded = [\n"
-        "        _apply(m, plan, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion, "
+        "        shard_module(m, plan, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion, "
         "device, ignored)\n"
         "        for m, plan in zip(modules, plans, strict=True)\n"
         "    ]\n"
-        "    _check_disjoint(modules, plans)\n",
+        "    check_disjoint(modules, plans)\n",
     ),
     Mutant(
         "02",
@@ -142,7 +143,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "05",
-        API,
+        INIT,
         "replicate params",
         "replicate_params is honoured only when a shard_placement_fn is given too",
         "    if is_replicated:\n"
@@ -216,24 +217,24 @@ MUTANTS: tuple[Mutant, ...] = (
         PARAM,
         "padding",
         "shard rows rounded down (rows // world): the last rows of an uneven param are never sharded",
-        "        self.chunk = math.ceil(rows / world) if rows else 0\n",
-        "        self.chunk = rows // world\n",
+        "        chunk = math.ceil(total / world) if total else 0\n",
+        "        chunk = total // world\n",
     ),
     Mutant(
         "14",
         PARAM,
         "rank offset",
         "a rank's shard starts at rank x its own row count instead of rank x chunk",
-        "        start = min(rank * self.chunk, self.full_shape[self.dim])  # empty chunks at the end\n",
-        "        start = min(rank * self.rows_of(rank), self.full_shape[self.dim])"
-        "  # empty chunks at the end\n",
+        "        start = min(rank * self.chunk, full.shape[self.dim])  # empty chunks at the end\n",
+        "        start = min(rank * self.rows[rank], full.shape[self.dim])  # empty chunks at the end\n",
     ),
     Mutant(
         "15",
         PARAM,
         "padding",
         "the padding rows of the reduce-scatter input are left uninitialised instead of zeroed",
-        "            if rows < self.chunk:\n                chunk.narrow(self.dim, rows, self.chunk - rows).zero_()\n",
+        "            if rows < layout.chunk:\n"
+        "                piece.narrow(layout.dim, rows, layout.chunk - rows).zero_()\n",
         "",
         equivalent="reduce-scatter and all-reduce are element-wise and shard_of_reduced drops the padded rows, "
         "so what the padding holds never reaches a grad",
@@ -376,8 +377,8 @@ MUTANTS: tuple[Mutant, ...] = (
         COLLECTIVES,
         "mixed precision reduce dtype",
         "reduce-scatter buffers in the compute dtype instead of the reduce dtype",
-        "    dtype, device, world = params[0].reduce_dtype, params[0].device, params[0].world\n",
-        "    dtype, device, world = params[0].param_dtype, params[0].device, params[0].world\n",
+        "    dtype, device, world = params[0].reduce_dtype, params[0].device, params[0].layout.world\n",
+        "    dtype, device, world = params[0].param_dtype, params[0].device, params[0].layout.world\n",
     ),
     Mutant(
         "33",
@@ -464,7 +465,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "42",
-        API,
+        INIT,
         "tied weights",
         "a param tied into two modules (embedding and output head) is swapped into its first module only",
         "        plan.slots[id(param)].append((owner, name))\n",
@@ -612,7 +613,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "60",
-        API,
+        INIT,
         "reshard_after_forward int",
         "an int reshard_after_forward is not checked to divide the shard size",
         "    if value < 1 or shard_size % value:\n",
@@ -672,7 +673,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "67",
-        API,
+        INIT,
         "ignored params (nested calls)",
         "a call skips only the params its own ignored_params names: a param a nested call ignored, reachable "
         "from the call above through a module it shares with (a tied weight), is sharded there",

@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from .layout import RowLayout
 from .mesh_info import MeshInfo
-from .param import HSDPParam, RowLayout
+from .param import HSDPParam
 
 REDUCE_OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}
 
@@ -311,7 +312,7 @@ class Reduction:
         for piece in self.pieces:
             offset = 0
             for param in piece.params:
-                numel = param.padded_shard_numel
+                numel = param.layout.padded_numel
                 param.apply_reduced_grad(param.shard_of_reduced(piece.output[offset : offset + numel]))
                 offset += numel
         self.pieces.clear()
@@ -400,17 +401,17 @@ def _batches(params: list[HSDPParam], fused: bool) -> list[list[HSDPParam]]:
 
 
 def _start_reduce_scatter(params: list[HSDPParam], group: ProcessGroup, arithmetic: Arithmetic) -> Piece:
-    dtype, device, world = params[0].reduce_dtype, params[0].device, params[0].world
-    total = sum(p.padded_shard_numel for p in params)
+    dtype, device, world = params[0].reduce_dtype, params[0].device, params[0].layout.world
+    total = sum(p.layout.padded_numel for p in params)
     single = params[0]
     grad = single.unreduced_grad
-    if len(params) == 1 and single.rank_major and grad.is_contiguous():
+    if len(params) == 1 and single.layout.rank_major and grad.is_contiguous():
         send = grad.view(-1)  # already laid out rank after rank: no copy
     else:
         send = torch.empty(world, total, dtype=dtype, device=device)
         offset = 0
         for param in params:
-            numel = param.padded_shard_numel
+            numel = param.layout.padded_numel
             param.copy_grad_into(send[:, offset : offset + numel], param.unreduced_grad)
             offset += numel
         send = send.view(-1)

@@ -1,11 +1,8 @@
 """One managed parameter: its sharded DTensor, its unsharded compute tensor, and its grads.
 
-Layout. A param sharded on dim ``d`` over ``W`` ranks is cut like ``torch.chunk``: every
-rank's chunk has ``c = ceil(n / W)`` rows of dim ``d`` except the last ones, which may be
-shorter or empty. That is exactly DTensor's ``Shard(d)`` layout, so the sharded param is a
-real DTensor that optimizers, ``clip_grad_norm_`` and checkpointing understand. For
-communication every chunk is padded to ``c`` rows, so all ranks send equal-sized buffers;
-the padding never reaches the params or grads.
+Layout. Its rows are cut over the shard group as ``layout.py``'s ``RowLayout`` says (``torch.chunk``,
+DTensor's ``Shard(d)``), so the sharded param is a real DTensor that optimizers, ``clip_grad_norm_``
+and checkpointing understand.
 
 Unsharded storage. The compute param is one ``nn.Parameter`` of full shape that lives for
 the module's lifetime; resharding frees its storage (resize to 0) and unsharding refills it.
@@ -16,8 +13,6 @@ recomputation) see the refilled data without re-registering anything.
 from __future__ import annotations
 
 import itertools
-import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -25,19 +20,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hyper_parallel.core.fully_shard.utils import CPUOffloadPolicy, MixedPrecisionPolicy
-
+from .layout import RowLayout, contiguous_stride
 from .mesh_info import MeshInfo, with_tensor_parallel
+from .policy import CPUOffload, Precision
 
 ModuleSlot = tuple[nn.Module, str]
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
 
 
 def _alloc_storage(tensor: torch.Tensor) -> None:
@@ -59,41 +46,6 @@ def set_module_param(module: nn.Module, name: str, param: torch.Tensor) -> None:
         module._parameters[name] = param
     else:
         setattr(module, name, param)
-
-
-@dataclass(frozen=True)
-class RowLayout:
-    """The rows of one param's shard dim cut over ``world`` ranks like ``torch.chunk``: ``rows[r]``
-    rows on rank ``r``, each padded to ``chunk`` rows (``padded_shape``) to communicate."""
-
-    dim: int
-    world: int
-    chunk: int
-    rows: tuple[int, ...]
-    padded_shape: torch.Size
-
-    @classmethod
-    def cut(cls, full_shape: torch.Size, dim: int, world: int) -> RowLayout:
-        """``full_shape``'s dim ``dim`` cut over ``world`` ranks."""
-        total = full_shape[dim]
-        chunk = math.ceil(total / world) if total else 0
-        rows = tuple(max(0, min(total, (rank + 1) * chunk) - rank * chunk) for rank in range(world))
-        padded = list(full_shape)
-        padded[dim] = chunk
-        return cls(dim, world, chunk, rows, torch.Size(padded))
-
-    @property
-    def padded_numel(self) -> int:
-        return math.prod(self.padded_shape)
-
-    @property
-    def rank_major(self) -> bool:
-        """Dim-0 cuts without padding: the full tensor is the shards back to back, in rank order."""
-        return self.dim == 0 and self.chunk * self.world == sum(self.rows)
-
-    def narrow(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s rows of the full tensor."""
-        return full.narrow(self.dim, min(rank * self.chunk, full.shape[self.dim]), self.rows[rank])
 
 
 _ORIGINAL_IDS = itertools.count()
@@ -118,8 +70,8 @@ class HSDPParam:
         placement: Shard | Replicate,
         mesh_info: MeshInfo,
         device: torch.device,
-        mp_policy: MixedPrecisionPolicy,
-        offload_to_cpu: CPUOffloadPolicy | None,
+        mp_policy: Precision,
+        offload_to_cpu: CPUOffload | None,
     ) -> None:
         self.slots = slots
         self.original_id = original_id(param)  # the object sharded: two groups must not share it
@@ -130,23 +82,14 @@ class HSDPParam:
         self._init_tensor_parallel(param)
         # What this engine shards and gathers: the param itself, or its TP-local tensor.
         self.full_shape = self._tp_local(param).shape
-        self.orig_dtype = param.dtype
-        floating = param.is_floating_point()
-        self.param_dtype = (mp_policy.param_dtype if floating else None) or param.dtype
-        self.reduce_dtype = (mp_policy.reduce_dtype if floating else None) or self.param_dtype
-        self.use_main_grad = mp_policy.apply_grad_on_fp32_main_grad and floating
+        self._follow_dtype(param.dtype)
+        self.use_main_grad = mp_policy.apply_grad_on_fp32_main_grad and param.is_floating_point()
         self.shard_device = torch.device("cpu") if offload_to_cpu is not None else device
         self.pin_memory = offload_to_cpu is not None and offload_to_cpu.pin_memory and device.type != "cpu"
         self.is_replicated = isinstance(placement, Replicate) or param.ndim == 0
         self.dim = 0 if self.is_replicated else placement.dim % param.ndim
-        world = 1 if self.is_replicated else mesh_info.shard_size
-        rows = self.full_shape[self.dim] if param.ndim else 1
-        self.chunk = math.ceil(rows / world) if rows else 0
-        self.world = world
-        self.padded_shard_shape = self._shard_shape(self.chunk)
-        self.padded_shard_numel = math.prod(self.padded_shard_shape)
-        rows_per_rank = tuple(self._count_rows(rank) for rank in range(world))
-        self.layout = RowLayout(self.dim, world, self.chunk, rows_per_rank, self.padded_shard_shape)
+        # the one description of this param's rows, read by the all-gather and the reduction alike
+        self.layout = RowLayout.cut(self.full_shape, self.dim, 1 if self.is_replicated else mesh_info.shard_size)
         # reshard_after_forward=int: the rows this rank keeps after forward, cut over that many ranks
         self.post_forward_layout: RowLayout | None = None
         self.post_forward_shard: torch.Tensor | None = None
@@ -155,6 +98,14 @@ class HSDPParam:
         # Grads taken off the unsharded param and not yet reduced (accumulation without sync).
         self.unreduced_grad: torch.Tensor | None = None
         self._gathered_version = (-1, -1)
+
+    def _follow_dtype(self, dtype: torch.dtype) -> None:
+        """The sharded param's dtype, and the compute and reduce dtypes the policy gives it (a
+        policy casts floating params only)."""
+        floating = dtype.is_floating_point
+        self.orig_dtype = dtype
+        self.param_dtype = (self.mp_policy.param_dtype if floating else None) or dtype
+        self.reduce_dtype = (self.mp_policy.reduce_dtype if floating else None) or self.param_dtype
 
     # -- tensor parallel -------------------------------------------------------------------
     def _init_tensor_parallel(self, param: nn.Parameter) -> None:
@@ -185,31 +136,10 @@ class HSDPParam:
         return mesh, (*self.mesh_info.placements(placement), *self.tp_placements)
 
     # -- layout -------------------------------------------------------------------------
-    def _shard_shape(self, rows: int) -> torch.Size:
-        if self.is_replicated:
-            return self.full_shape
-        shape = list(self.full_shape)
-        shape[self.dim] = rows
-        return torch.Size(shape)
-
-    def rows_of(self, rank: int) -> int:
-        """Rows of the shard dim held by ``rank`` (torch.chunk semantics)."""
-        return self.layout.rows[rank]
-
-    def _count_rows(self, rank: int) -> int:
-        if self.is_replicated:
-            return self.full_shape[0] if self.full_shape else 1
-        total = self.full_shape[self.dim]
-        return max(0, min(total, (rank + 1) * self.chunk) - rank * self.chunk)
-
     @property
     def is_whole(self) -> bool:
         """Every rank holds the whole param: replicated, or sharded over one rank."""
-        return self.is_replicated or self.world == 1
-
-    @property
-    def has_padding(self) -> bool:
-        return not self.is_replicated and self.chunk * self.world != self.full_shape[self.dim]
+        return self.is_replicated or self.layout.world == 1
 
     # -- sharded side ---------------------------------------------------------------------
     def _init_sharded(self, param: nn.Parameter) -> None:
@@ -232,9 +162,7 @@ class HSDPParam:
         piece, a view (the last ranks' pieces may be empty)."""
         if self.is_replicated:
             return whole
-        rank = self.mesh_info.shard_rank
-        start = min(rank * self.chunk, self.full_shape[self.dim])  # empty chunks at the end
-        return whole.narrow(self.dim, start, self.rows_of(rank))
+        return self.layout.narrow(whole, self.mesh_info.shard_rank)
 
     @property
     def local_shard(self) -> torch.Tensor:
@@ -256,7 +184,7 @@ class HSDPParam:
             placements,
             run_check=False,
             shape=self.global_shape,
-            stride=_contiguous_stride(self.global_shape),
+            stride=contiguous_stride(self.global_shape),
         )
 
     def use_sharded(self) -> None:
@@ -275,7 +203,7 @@ class HSDPParam:
             (Replicate(), Shard(self.dim)),
             run_check=False,
             shape=self.global_shape,
-            stride=_contiguous_stride(self.global_shape),
+            stride=contiguous_stride(self.global_shape),
         )
         param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
         for module, name in self.slots:
@@ -291,10 +219,7 @@ class HSDPParam:
             if self.pin_memory:
                 local = local.pin_memory()
             self.sharded_param._local_tensor = local
-        floating = local.is_floating_point()
-        self.orig_dtype = local.dtype
-        self.param_dtype = (self.mp_policy.param_dtype if floating else None) or local.dtype
-        self.reduce_dtype = (self.mp_policy.reduce_dtype if floating else None) or self.param_dtype
+        self._follow_dtype(local.dtype)
         if not local.is_meta:
             self.shard_device = local.device
         if self.use_main_grad:  # _apply swapped the grad too; the main grad is that tensor again
@@ -408,12 +333,6 @@ class HSDPParam:
             view = flat.view(layout.padded_shape).narrow(layout.dim, 0, rows)
             view.copy_(piece)
 
-    @property
-    def rank_major(self) -> bool:
-        """Dim-0 shards without padding: the full tensor is the rank-ordered shards back to back, so
-        it is all-gathered straight into the unsharded param and reduce-scattered as it is."""
-        return not self.is_replicated and self.dim == 0 and not self.has_padding
-
     def copy_gathered_out(self, gathered: torch.Tensor, layout: RowLayout | None = None) -> None:
         """Allocate and fill the unsharded param from an all-gather output viewed as [world, padded numel]."""
         layout = layout or self.layout
@@ -470,23 +389,24 @@ class HSDPParam:
 
     def copy_grad_into(self, buffer: torch.Tensor, grad: torch.Tensor) -> None:
         """Write a full grad into a reduce-scatter input viewed as [world, padded numel]."""
-        if self.rank_major:
-            buffer.copy_(grad.reshape(self.world, -1))
+        layout = self.layout
+        if layout.rank_major:
+            buffer.copy_(grad.reshape(layout.world, -1))
             return
-        for rank in range(self.world):
-            rows = self.rows_of(rank)
-            chunk = buffer[rank].view(self.padded_shard_shape)
+        for rank in range(layout.world):
+            rows = layout.rows[rank]
+            piece = buffer[rank].view(layout.padded_shape)
             if rows:
-                chunk.narrow(self.dim, 0, rows).copy_(grad.narrow(self.dim, rank * self.chunk, rows))
-            if rows < self.chunk:
-                chunk.narrow(self.dim, rows, self.chunk - rows).zero_()
+                piece.narrow(layout.dim, 0, rows).copy_(grad.narrow(layout.dim, rank * layout.chunk, rows))
+            if rows < layout.chunk:
+                piece.narrow(layout.dim, rows, layout.chunk - rows).zero_()
 
     def shard_of_reduced(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's unpadded grad shard inside a reduce-scatter output."""
         if self.is_replicated:
             return flat.view(self.full_shape)
-        rows = self.rows_of(self.mesh_info.shard_rank)
-        return flat.view(self.padded_shard_shape).narrow(self.dim, 0, rows)
+        rows = self.layout.rows[self.mesh_info.shard_rank]
+        return flat.view(self.layout.padded_shape).narrow(self.dim, 0, rows)
 
     def apply_reduced_grad(self, reduced: torch.Tensor, owned: bool = False) -> None:
         """Accumulate a reduced grad shard into ``param.grad`` (or the fp32 main grad). ``owned``:

@@ -30,11 +30,10 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-from hyper_parallel.core.fully_shard.utils import MixedPrecisionPolicy
-
 from .mesh_info import PostForwardMesh
 from .param import HSDPParam
 from .param_group import HSDPParamGroup
+from .policy import Precision
 
 
 class TrainingState(Enum):
@@ -186,7 +185,7 @@ class HSDPState:
         self,
         module: torch.nn.Module,
         param_group: HSDPParamGroup | None,
-        mp_policy: MixedPrecisionPolicy,
+        mp_policy: Precision,
         reshard_after_forward: bool | None,
         ignored_param_ids: set[int],
         post_forward: PostForwardMesh | None = None,
