@@ -503,7 +503,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "reshard_after_forward int",
         "after forward with an int, backward gathers the pieces kept over the whole shard group, not "
         "within the rows of k ranks",
-        "            group = self._post_forward.group\n",
+        "            self._all_gather = start_all_gather(\n"
+        "                self.params, self.mesh_info, self.comm_fusion, async_op, self._post_forward\n"
+        "            )\n",
         "            self.reshard()\n            return self.unshard(async_op)\n",
     ),
     Mutant(

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .layout import RowLayout
-from .mesh_info import MeshInfo
+from .mesh_info import MeshInfo, PostForwardMesh
 from .param import HSDPParam
 
 REDUCE_OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}
@@ -72,7 +72,7 @@ class AllGather:
     outputs: list[torch.Tensor | None]
     fused: bool
     done: bool = False
-    post_forward: bool = False  # gathering the pieces kept after forward (reshard_after_forward=int)
+    post_forward: PostForwardMesh | None = None  # gathering the pieces kept after forward (an int reshard)
     keepers: list[Any] = field(default_factory=list)  # version keepers of params gathered in place
     # each param's shard version when its shard was read (at issue): an optimizer step between the
     # issue and the wait leaves the gathered copy stale, and the next unshard must see that (a
@@ -124,7 +124,7 @@ def start_all_gather(
     mesh_info: MeshInfo,
     fused: bool,
     async_op: bool,
-    post_forward: ProcessGroup | None = None,
+    post_forward: PostForwardMesh | None = None,
 ) -> AllGather:
     """Start gathering the sharded params (with ``post_forward``, the pieces kept after forward,
     within that smaller group). An unsharded param is allocated when it is filled: now when it is
@@ -139,17 +139,16 @@ def start_all_gather(
             param.alloc_unsharded()
             param.copy_replicated_in()
             param.note_gathered()
-    group = post_forward or mesh_info.shard_group
-    is_post_forward = post_forward is not None
+    group = mesh_info.shard_group if post_forward is None else post_forward.group
     if not sharded:
         return AllGather(sharded, [], [], fused, done=True)
     if fused and len(sharded) > 1:
-        return _start_fused_all_gather(sharded, group, async_op, is_post_forward)
+        return _start_fused_all_gather(sharded, group, async_op, post_forward)
     works, outputs, keepers = [], [], []
     for param in sharded:
-        layout = param.gather_source(is_post_forward)[0]
+        layout = param.gather_source(post_forward)[0]
         send = torch.empty(layout.padded_numel, dtype=param.param_dtype, device=param.device)
-        param.copy_shard_into(send, is_post_forward)
+        param.copy_shard_into(send, post_forward)
         if layout.rank_major:
             param.alloc_unsharded()
             keepers.append(param.hidden_writes())  # the version now, restored when waited for
@@ -160,11 +159,11 @@ def start_all_gather(
         recv = torch.empty(layout.world * layout.padded_numel, dtype=param.param_dtype, device=param.device)
         works.append(_all_gather_flat(recv, send, group, async_op))
         outputs.append(recv)
-    return AllGather(sharded, works, outputs, fused=False, keepers=keepers, post_forward=is_post_forward)
+    return AllGather(sharded, works, outputs, fused=False, keepers=keepers, post_forward=post_forward)
 
 
 def _start_fused_all_gather(
-    params: Sequence[HSDPParam], group: ProcessGroup, async_op: bool, post_forward: bool
+    params: Sequence[HSDPParam], group: ProcessGroup, async_op: bool, post_forward: PostForwardMesh | None
 ) -> AllGather:
     dtypes = {p.param_dtype for p in params}
     if len(dtypes) != 1:

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .layout import RowLayout, contiguous_stride
-from .mesh_info import MeshInfo, with_tensor_parallel
+from .mesh_info import MeshInfo, PostForwardMesh, with_tensor_parallel
 from .policy import CPUOffload, Precision
 
 ModuleSlot = tuple[nn.Module, str]
@@ -317,15 +317,15 @@ class HSDPParam:
             with torch.no_grad(), self.hidden_writes():
                 self.unsharded_local.copy_(self.local_shard)
 
-    def gather_source(self, post_forward: bool) -> tuple[RowLayout, torch.Tensor, int]:
+    def gather_source(self, post_forward: PostForwardMesh | None) -> tuple[RowLayout, torch.Tensor, int]:
         """What an all-gather sends: the layout, this rank's piece and its index in the gather's group
         (the shard over the shard group; after an int ``reshard_after_forward``, the piece kept)."""
-        if post_forward:
+        if post_forward is not None:
             layout = self.post_forward_layout
             return layout, self.post_forward_shard, self.mesh_info.shard_rank % layout.world
         return self.layout, self.local_shard, self.mesh_info.shard_rank
 
-    def copy_shard_into(self, flat: torch.Tensor, post_forward: bool = False) -> None:
+    def copy_shard_into(self, flat: torch.Tensor, post_forward: PostForwardMesh | None = None) -> None:
         """Write this rank's shard, cast to the compute dtype, into an all-gather input."""
         layout, piece, rank = self.gather_source(post_forward)
         rows = layout.rows[rank]

@@ -76,9 +76,10 @@ class HSDPParamGroup:
             self.wait_for_unshard()  # issued before the shards changed: finish it, then redo it
         if self.state in (ShardedState.UNSHARDED, ShardedState.SHARDED_POST_FORWARD) and self.is_stale:
             self.reshard()
-        if self.state is ShardedState.SHARDED_POST_FORWARD:
-            group = self._post_forward.group
-            self._all_gather = start_all_gather(self.params, self.mesh_info, self.comm_fusion, async_op, group)
+        if self.state is ShardedState.SHARDED_POST_FORWARD:  # within the rows of ranks kept after forward
+            self._all_gather = start_all_gather(
+                self.params, self.mesh_info, self.comm_fusion, async_op, self._post_forward
+            )
         elif self.state is ShardedState.SHARDED:
             self._all_gather = start_all_gather(self.params, self.mesh_info, self.comm_fusion, async_op=async_op)
         else:
