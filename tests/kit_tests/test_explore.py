@@ -259,3 +259,13 @@ def test_the_command_refuses_bad_arguments_in_one_line(bad, capsys):
     with pytest.raises(SystemExit) as stop:
         main(argv)
     assert str(stop.value).startswith(next(iter(bad))), stop.value
+
+
+def test_both_drivers_check_their_world_sizes_alike():
+    """``explore`` and ``explore_all`` set up through one pipeline: a ``min_world`` above the
+    ``max_world`` asked for is refused by both, before anything runs."""
+    from tests.kit.explore.survey import explore_all
+
+    for driver in (explore, explore_all):
+        with pytest.raises(ValueError, match="min_world must be in 1..max_world"):
+            driver(_PassingCluster(), ALL, examples=1, max_world=2, min_world=3, cover=False)

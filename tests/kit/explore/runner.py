@@ -26,16 +26,13 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import Flaky
 
-from tests.kit.explore.draws import configs
 from tests.kit.explore.oracle import run_example
-from tests.kit.explore.pairs import covering as covering_of
 from tests.kit.explore.pairs import pairs_text
+from tests.kit.explore.pipeline import SAVED, Pipeline
 from tests.kit.explore.space import Config
 from tests.kit.judging.checks import Check
 from tests.kit.runtime.cluster import RankCluster, RankFailure
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-SAVED = REPO_ROOT / "runs" / "l4"
 REGRESSIONS = Path(__file__).resolve().parent / "regressions"
 TIMEOUT_S = 60.0  # one configuration on up to 8 ranks; a hang fails with every rank's stack
 
@@ -167,62 +164,43 @@ class Exploration:
 def explore(
     cluster: RankCluster,
     features: frozenset[str],
-    examples: int = 50,
-    seed: int = 0,
-    max_world: int = 4,
+    *,
     budget_s: float = 0.0,
     profile: str = "ci",
-    on_example: Callable[[ExampleResult, bool], None] | None = None,
-    save_dir: Path = SAVED,
-    *,
-    min_world: int = 1,
     isolate: bool = False,
-    avoid: tuple[frozenset[str], ...] = (),
-    cover: bool = True,
+    **options: Any,
 ) -> Exploration:
-    """Draw ``examples`` configurations of ``features`` on up to ``max_world`` ranks (no more than
-    the cluster has), run each, shrink the first failure to a minimal one and save it.
-    ``on_example(result, shrinking)`` is told of every run (progress); ``budget_s`` > 0 stops
-    drawing new configurations once that many seconds have gone (the examples left pass unrun);
-    ``avoid``: feature combinations never drawn together (``known_defects_of``); ``cover``: the
-    covering phase first (``tests.kit.explore.pairs``; a failure there is shrunk by the draws of
-    ``seed`` failing the same way, or shown as it is)."""
-    if not 1 <= min_world <= max_world:
-        raise ValueError(f"min_world must be in 1..max_world ({max_world}), got {min_world}")
-    max_world = min(max_world, cluster.n_engines)
+    """Draw configurations of ``features`` (``options``: ``Pipeline.on``'s, ``examples`` of them
+    from ``seed`` ...), run each, shrink the first failure to a minimal one and save it. The covering
+    phase runs first; a failure there is shrunk by the draws of ``seed`` failing the same way.
+    ``budget_s`` > 0 stops drawing new configurations once that many seconds have gone (the examples
+    left pass unrun); ``profile``: Hypothesis's settings profile; ``isolate``: fresh engines per run."""
     found = Exploration()
+    stages = Pipeline.on(cluster.n_engines, found, features, **options)
+    examples, seed, save_dir = stages.examples, stages.seed, stages.save_dir
     failing: list[ExampleResult] = []
-    started = time.monotonic()
-    draw = configs(features, max_world, min(min_world, max_world), avoid)
-    ran: list[Config] = []
-    plan = covering_of(features, max_world, min(min_world, max_world), avoid) if cover else None
-    if plan is not None and _cover_first(cluster, plan.configs, found, ran, on_example, isolate):
-        failed = found.minimal
-        found.pairs = plan.measure(ran)
+    failed = _cover_first(cluster, stages, isolate)
+    if failed is not None:  # shrunk by the draws of ``seed`` failing the same way (cached: no rerun)
+        found.minimal, found.failures_seen = failed, 1
         cache = {failed.id: failed}
-        shrunk = shrink_one(cached_runner(cluster, isolate, cache), draw, failed.signature, examples, seed, 300.0)
-        found.minimal = shrunk or failed
+        run = cached_runner(cluster, isolate, cache)
+        found.minimal = shrink_one(run, stages.draw, failed.signature, examples, seed, 300.0) or failed
         found.examples += len(cache) - 1
         found.saved = save(found.minimal, save_dir)
-        found.seconds = time.monotonic() - started
+        stages.finish()
         return found
 
     @settings(settings.get_profile(profile), max_examples=examples)
     @hypothesis_seed(seed)
-    @given(draw)
+    @given(stages.draw)
     def every_configuration_keeps_its_promise(config: Config) -> None:
         shrinking = bool(failing)
-        if not shrinking:
-            if budget_s and time.monotonic() - started > budget_s:
-                found.budget_spent = True
-                return
-            found.drawn += 1
-            found.coverage.update(config.coverage().items())
-            ran.append(config)
+        if not shrinking and budget_s and time.monotonic() - stages.started > budget_s:
+            found.budget_spent = True
+            return
         result = run_config(cluster, config, isolate=isolate)
         found.examples += 1
-        if on_example is not None:
-            on_example(result, shrinking)
+        stages.record(result, shrinking)
         if not result.passed:
             failing.append(result)
             raise AssertionError(result.failure)
@@ -233,33 +211,19 @@ def explore(
         found.minimal = failing[-1]  # Hypothesis runs the minimal failing example last
         found.failures_seen = len(failing)
         found.saved = save(found.minimal, save_dir)
-    if plan is not None:
-        found.pairs = plan.measure(ran)
-    found.seconds = time.monotonic() - started
+    stages.finish()
     return found
 
 
-def _cover_first(
-    cluster: RankCluster,
-    covering: list[Config],
-    found: Exploration,
-    ran: list[Config],
-    on_example: Callable[[ExampleResult, bool], None] | None,
-    isolate: bool,
-) -> bool:
-    """Run the covering configurations until one fails (then ``found.minimal``, unshrunk): whether one did."""
-    for config in covering:
+def _cover_first(cluster: RankCluster, stages: Pipeline, isolate: bool) -> ExampleResult | None:
+    """Run the covering configurations until one fails: that one (unshrunk), or None."""
+    for config in stages.plan.configs if stages.plan is not None else ():
         result = run_config(cluster, config, isolate=isolate)
-        found.covering += 1
-        found.examples += 1
-        ran.append(config)
-        found.coverage.update(config.coverage().items())
-        if on_example is not None:
-            on_example(result, False)
+        stages.exploration.examples += 1
+        stages.record(result, covering=True)
         if not result.passed:
-            found.minimal, found.failures_seen = result, 1
-            return True
-    return False
+            return result
+    return None
 
 
 def cached_runner(

@@ -4,18 +4,16 @@ once, so one run lists an implementation's defects instead of stopping at the fi
 
 from __future__ import annotations
 
-import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hypothesis import Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 
-from tests.kit.explore.draws import configs
-from tests.kit.explore.pairs import covering as covering_of
-from tests.kit.explore.runner import SAVED, ExampleResult, Exploration, cached_runner, save, shrink_one
+from tests.kit.explore.pipeline import Pipeline
+from tests.kit.explore.runner import ExampleResult, Exploration, cached_runner, save, shrink_one
 from tests.kit.explore.space import Config
 from tests.kit.runtime.cluster import RankCluster
 
@@ -58,42 +56,26 @@ class Survey:
 def explore_all(
     cluster: RankCluster,
     features: frozenset[str],
-    examples: int = 50,
-    seed: int = 0,
-    max_world: int = 4,
     *,
-    min_world: int = 1,
     isolate: bool = False,
-    avoid: tuple[frozenset[str], ...] = (),
     shrink: bool = True,
     shrink_budget_s: float = 300.0,
-    on_example: Callable[[ExampleResult, bool], None] | None = None,
-    save_dir: Path = SAVED,
-    cover: bool = True,
+    **options: Any,
 ) -> Survey:
-    """Keep exploring past failures: draw and run all ``examples`` configurations, group the failing
-    ones by signature (``generic`` first failing check, or what was raised), then shrink the first
-    of each signature once (``shrink_budget_s`` each). The shrinking replays the same seed with a
-    cache of every run, so reaching a signature's first configuration again costs no run."""
+    """Keep exploring past failures: draw and run all the configurations (``options``:
+    ``Pipeline.on``'s), group the failing ones by signature (``generic`` first failing check, or what
+    was raised), then shrink the first of each signature once (``shrink_budget_s`` each). The
+    shrinking replays the same seed with a cache of every run, so reaching a signature's first
+    configuration again costs no run."""
     cache: dict[str, ExampleResult] = {}
     run = cached_runner(cluster, isolate, cache)
     survey = Survey(Exploration())
-    started = time.monotonic()
+    stages = Pipeline.on(cluster.n_engines, survey.exploration, features, **options)
+    examples, seed, save_dir = stages.examples, stages.seed, stages.save_dir
     by_signature: dict[str, DistinctFailure] = {}
 
-    ran: list[Config] = []
-
-    def record(result: ExampleResult, shrinking: bool, covering: bool = False) -> None:
-        if on_example is not None:
-            on_example(result, shrinking)
-        if shrinking:
-            return
-        if covering:
-            survey.exploration.covering += 1
-        else:
-            survey.exploration.drawn += 1
-        ran.append(result.config)
-        survey.exploration.coverage.update(result.config.coverage().items())
+    def record(result: ExampleResult, covering: bool = False) -> None:
+        stages.record(result, covering=covering)
         if not result.passed:
             survey.failed_checks.update(result.signatures)
             if result.signature in by_signature:
@@ -101,25 +83,21 @@ def explore_all(
             else:
                 by_signature[result.signature] = DistinctFailure(result.signature, result)
 
-    max_world = min(max_world, cluster.n_engines)
-    draw = configs(features, max_world, min(min_world, max_world), avoid)
-    plan = covering_of(features, max_world, min(min_world, max_world), avoid) if cover else None
-    for config in plan.configs if plan else ():
-        record(run(config), False, covering=True)
+    for config in stages.plan.configs if stages.plan is not None else ():
+        record(run(config), covering=True)
 
     @settings(settings.get_profile("ci"), max_examples=examples, phases=(Phase.explicit, Phase.generate))
     @hypothesis_seed(seed)
-    @given(draw)
+    @given(stages.draw)
     def every_configuration(config: Config) -> None:
-        record(run(config), False)
+        record(run(config))
 
     every_configuration()
     survey.defects = list(by_signature.values())
     if shrink:
         for defect in survey.defects:
-            defect.minimal = shrink_one(run, draw, defect.signature, examples, seed, shrink_budget_s)
+            defect.minimal = shrink_one(run, stages.draw, defect.signature, examples, seed, shrink_budget_s)
             defect.saved = save(defect.minimal, save_dir) if defect.minimal is not None else None
     survey.exploration.examples = len(cache)
-    survey.exploration.pairs = plan.measure(ran) if plan else {}
-    survey.exploration.seconds = time.monotonic() - started
+    stages.finish()
     return survey
