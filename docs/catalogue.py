@@ -167,7 +167,7 @@ def generated() -> str:
             needs = ", ".join(f"`{n}`" for n in c.needs if n != "fully_shard") or "-"
             out.append(
                 f"| {c.id} | `{c.name}` | {c.world_size} | {mesh_text(c.mesh)} | {c.config} | {needs} "
-                f"| {c.timeout:g} s | {plan_link(c.file)} | {cell(first_sentence(c.body))} |"
+                f"| {c.timeout:g} s | `{c.plan_file}`: {plan_link(c.file)} | {cell(first_sentence(c.body))} |"
             )
     out.append("")
     out.append(f"{len(cases)} cases in all.")

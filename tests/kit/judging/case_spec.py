@@ -4,8 +4,20 @@ body. Both the case registry (``tests.kit.judging.case``) and what a body sees
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+
+def plan_file_of(case_file: str, targets: list[str]) -> str:
+    """The plan's target file a case file ``_test_*.py`` belongs to: the longest of ``targets`` (the
+    plan's ``test_*.py`` files) its name starts with."""
+    stem = case_file.removeprefix("_").removesuffix(".py")
+    found = [t for t in targets if stem == t[:-3] or stem.startswith(t[:-3] + "_")]
+    if not found:
+        raise ValueError(f"{case_file} names no plan target file ({', '.join(targets)})")
+    return max(found, key=len)
 
 
 @dataclass(frozen=True)
@@ -33,8 +45,15 @@ class Case:
 
     @property
     def file(self) -> str:
-        """The plan's file the case lives in (``_test_*.py``)."""
+        """The file the case lives in (``_test_*.py``)."""
         return self.module.rsplit(".", 1)[-1] + ".py"
+
+    @property
+    def plan_file(self) -> str:
+        """The plan's target file of the case: ``_test_<target>[_<part>].py`` lives in the plan's
+        ``test_<target>.py`` (a target's cases split by level keep its name first)."""
+        folder = Path(inspect.getfile(self.body)).parent
+        return plan_file_of(self.file, sorted(p.name for p in folder.glob("test_*.py")))
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.kit.judging.checks import CaseContext
+from tests.kit.judging.layout import local_numels
 from tests.kit.judging.recorder import CollectiveRecorder, record_collectives
 from tests.kit.judging.reference import SameDtypeReference, full, gather_from, named_params
 from tests.kit.judging.surface import impl
@@ -92,6 +93,21 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
 def sharded_modules(model: nn.Module) -> list[Any]:
     """The modules of ``model`` given to fully_shard, outermost first."""
     return [m for m in model.modules() if isinstance(m, impl.HSDPModule)]
+
+
+def reshard_all(model: nn.Module) -> None:
+    """``reshard()`` on every module of ``model`` given to fully_shard."""
+    for module in sharded_modules(model):
+        module.reshard()
+
+
+def record_numels(
+    ctx: CaseContext, where: str, model: nn.Module, want: Mapping[str, int], names: Iterable[str]
+) -> None:
+    """Record, per param of ``names``, that its local numel now is ``want``'s."""
+    numels = local_numels(model)
+    for name in names:
+        ctx.equal(f"{where}: local numel {name}", numels[name], want[name])
 
 
 def raises_nothing(ctx: CaseContext, name: str, action: Callable[[], Any]) -> Any:

@@ -1,4 +1,5 @@
-"""Plan cases of ``_test_fully_shard_module.py``: the HSDPModule controls (L0-08/09, L1-01..05, L1-09)."""
+"""Plan cases of the plan's ``test_fully_shard_module.py``, level L1: the HSDPModule controls (L1-01..05,
+L1-09)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from tests.kit.judging.layout import (
     local_numels,
     local_numels_after_forward,
     numels,
-    padded_shard_numel,
 )
 from tests.kit.judging.recorder import CollectiveRecorder, record_collectives
 from tests.kit.judging.reference import ddp_of, full, gather_from
@@ -26,217 +26,19 @@ from tests.kit.workloads.training import (
     named_params,
     raises_nothing,
     record_grads,
+    record_numels,
     record_params,
+    reshard_all,
     shard_nested,
-    sharded_modules,
     square_mean,
     step_optimizers,
-    train_accumulating_against,
     train_against,
 )
 
-MICRO_BATCHES = 2
-
-
-def _micro_batches(rank: int, steps: int = 2) -> list[list]:
-    """Per optimizer step, ``MICRO_BATCHES`` batches that differ per rank, step and micro-batch."""
-    return [rank_batches(rank, (4, DIMS[0]), MICRO_BATCHES, first=10 * step) for step in range(steps)]
-
-
-@case(
-    "L0-08",
-    "test_set_requires_gradient_sync",
-    world_size=2,
-    mesh={"dp": 2},
-    config="FSDP 1D fp32",
-    needs=("gradient_sync",),
-)
-def requires_gradient_sync(ctx: CaseContext) -> None:
-    """set_requires_gradient_sync(False) issues no reduction and accumulates locally; the next
-    syncing backward reduce-scatters every group, and the result equals DDP with no_sync."""
-    model = MLP(DIMS)
-    ddp = ddp_of(model)
-    shard_nested(model, model.layers, mesh=ctx.mesh)
-    step_batches = _micro_batches(ctx.rank)
-    # equal rank data would hide a sync that reduced only the last micro-batch
-    ctx.require("ranks' micro-batches differ", differs_across_ranks(step_batches[0][0]))
-
-    def communication(step: int, micro: int, rec: CollectiveRecorder) -> None:
-        syncing = micro == MICRO_BATCHES - 1
-        where = f"step {step} micro {micro} sync {'on' if syncing else 'off'}"
-        if syncing:
-            issued = len(rec.of("reduce_scatter"))
-            ctx.true(f"{where}: reduce-scatters issued", issued > 0, issued, "> 0")
-        else:
-            ctx.equal(f"{where}: reductions", len(rec.of("reduce_scatter")) + len(rec.of("all_reduce")), 0)
-
-    train_accumulating_against(
-        ctx,
-        model,
-        ddp,
-        step_batches,
-        square_mean,
-        ctx.tol,
-        accumulate=lambda holding: model.set_requires_gradient_sync(not holding),
-        after_micro=communication,
-    )
-
-
-def _layer_of_gather(model: MLP, world: int) -> dict[int, int]:
-    """All-gather element count -> the layer it gathers, whether an implementation gathers a layer
-    in one collective (its params' padded shards back to back) or one per param."""
-    owners: dict[int, set[int]] = {}
-    for i, layer in enumerate(model.layers):
-        per_param = [padded_shard_numel([p], world) for p in layer.parameters()]
-        for numel in [padded_shard_numel(layer, world), *per_param]:
-            owners.setdefault(numel, set()).add(i)
-    # a size two layers share would be ambiguous: -1
-    return {numel: min(layers) if len(layers) == 1 else -1 for numel, layers in owners.items()}
-
-
-def _gathered_layers(rec: CollectiveRecorder, layer_of: dict[int, int]) -> list[int | None]:
-    """The layers gathered, in issue order (consecutive gathers of one layer counted once)."""
-    order: list[int | None] = []
-    for call in rec.of("all_gather"):
-        layer = layer_of.get(call.numel)
-        if not order or order[-1] != layer:
-            order.append(layer)
-    return order
-
-
-def _train_recording_gathers(
-    ctx: CaseContext, mesh, label: str, lists: bool
-) -> tuple[dict[int, int], list[tuple[CollectiveRecorder, CollectiveRecorder]]]:
-    """Train the 3-layer MLP like DDP, each layer its own group resharded after forward, with the
-    prefetch lists (forward 0, 2, 1; backward 2, 0, 1) or without; each step's forward and backward
-    collectives, and the gather sizes' layers."""
-    model = MLP(DIMS)
-    ddp = ddp_of(model)
-    layer_of = _layer_of_gather(model, ctx.world_size)
-    # resharded after forward (explicitly: the default's meaning is no business of this case), so
-    # backward gathers every layer again
-    first, middle, last = shard_nested(model, model.layers, mesh=mesh, reshard_after_forward=True).layers
-    if lists:  # natural orders: forward 0, 1, 2 and backward 2, 1, 0
-        first.set_modules_to_forward_prefetch([last, middle])
-        last.set_modules_to_backward_prefetch([first, middle])
-    phases: list[tuple[CollectiveRecorder, CollectiveRecorder]] = []
-
-    def forward_then_backward(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        with record_collectives() as forward:
-            loss = square_mean(module, batch)
-        with record_collectives() as backward:
-            loss.backward()
-        phases.append((forward, backward))
-        return loss
-
-    batches = rank_batches(ctx.rank, (4, DIMS[0]))
-    train_against(ctx, model, ddp, batches, square_mean, ctx.tol, label=label, model_step=forward_then_backward)
-    return layer_of, phases
-
-
-def _prefetch_lists_order_gathers(ctx: CaseContext, mesh) -> None:
-    layer_of, phases = _train_recording_gathers(ctx, mesh, "prefetch", lists=True)
-    ctx.require("every layer's gathers have sizes of their own", -1 not in layer_of.values(), str(layer_of))
-    for step, (forward, backward) in enumerate(phases):
-        where = f"prefetch step {step}"
-        ctx.equal(f"{where} forward all-gather order", str(_gathered_layers(forward, layer_of)), "[0, 2, 1]")
-        ctx.equal(f"{where} backward all-gather order", str(_gathered_layers(backward, layer_of)), "[2, 0, 1]")
-
-
-def _default_order_gathers_each_layer_once(ctx: CaseContext, mesh) -> None:
-    """Without prefetch lists, backward gathers each layer once, last layer first, and ahead of
-    need: an implicit prefetch that picks a finished layer gathers nothing early (or twice)."""
-    layer_of, phases = _train_recording_gathers(ctx, mesh, "no lists", lists=False)
-    with ctx.extra("beyond the plan's lists: the default backward order gathers no layer twice, ahead of need"):
-        for step, (_, backward) in enumerate(phases):
-            order = str(_gathered_layers(backward, layer_of))
-            ctx.equal(f"no lists step {step} backward all-gather order", order, "[2, 1, 0]")
-            events = _backward_events(backward, layer_of, ctx.world_size)
-            for layer in (1, 0):
-                gathered, reduced = events.index(f"AG{layer}"), events.index(f"RS{layer + 1}")
-                ctx.true(
-                    f"no lists step {step}: layer {layer} gathered before layer {layer + 1}'s grads are reduced",
-                    gathered < reduced,
-                    " ".join(events),
-                )
-
-
-def _backward_events(rec: CollectiveRecorder, layer_of: dict[int, int], world: int) -> list[str]:
-    """Gathers and reduce-scatters in issue order, as ``AG<layer>`` / ``RS<layer>`` (once per layer)."""
-    events: list[str] = []
-    for call in rec.calls:
-        if call.op == "all_gather":
-            event = f"AG{layer_of.get(call.numel)}"
-        elif call.op == "reduce_scatter":
-            event = f"RS{layer_of.get(call.numel // world)}"
-        else:
-            continue
-        if event not in events:
-            events.append(event)
-    return events
-
-
-def _not_last_backward_defers_reductions(ctx: CaseContext, mesh) -> None:
-    model = MLP(DIMS)
-    ddp = ddp_of(model)
-    shard_nested(model, model.layers, mesh=mesh)
-
-    def deferred(step: int, micro: int, rec: CollectiveRecorder) -> None:
-        if micro == MICRO_BATCHES - 1:
-            return
-        where = f"deferred step {step} micro {micro}"
-        issued = len(rec.of("reduce_scatter"))
-        ctx.true(f"{where}: reductions issued (sync is on)", issued > 0, issued, "> 0")
-        with ctx.extra("our engine leaves the reductions of a non-last backward in flight"):
-            ctx.equal(f"{where}: grads landed", sum(p.grad is not None for p in model.parameters()), 0)
-
-    train_accumulating_against(
-        ctx,
-        model,
-        ddp,
-        _micro_batches(ctx.rank),
-        square_mean,
-        ctx.tol,
-        accumulate=lambda holding: model.set_is_last_backward(not holding),
-        label="deferred",
-        after_micro=deferred,
-    )
-
-
-@case(
-    "L0-09",
-    "test_prefetch_and_last_backward",
-    world_size=2,
-    mesh={"dp": 2},
-    config="FSDP 1D fp32",
-    needs=("prefetch", "last_backward", "reshard_after_forward"),
-)
-def prefetch_and_last_backward(ctx: CaseContext) -> None:
-    """Forward/backward prefetch lists decide the order of all-gathers (without lists, backward
-    gathers each layer once, last first: extra); set_is_last_backward(False) issues the reductions
-    but defers applying them; all train like DDP."""
-    mesh = ctx.mesh
-    _prefetch_lists_order_gathers(ctx, mesh)
-    _default_order_gathers_each_layer_once(ctx, mesh)
-    _not_last_backward_defers_reductions(ctx, mesh)
-
-
-# -- L1: HSDPModule interface, one control at a time ----------------------------------------
 LR = 1e-2
 # (reshard_after_forward, reshard_after_backward) per step: each flag goes off and back on
 RESHARD_PLAN = ((False, True), (True, False), (False, False), (True, True))
 ROOT_OWN = ("layers.2.weight", "layers.2.bias")  # with layers 0 and 1 sharded on their own
-
-
-def _record_numels(ctx: CaseContext, where: str, model: nn.Module, want: dict[str, int], names: Iterable[str]) -> None:
-    numels = local_numels(model)
-    for name in names:
-        ctx.equal(f"{where}: local numel {name}", numels[name], want[name])
-
-
-def _reshard_all(model: nn.Module) -> None:
-    for module in sharded_modules(model):
-        module.reshard()
 
 
 @case(
@@ -278,9 +80,9 @@ def dynamic_reshard_control(ctx: CaseContext) -> None:
             ctx.equal(f"{where}: local numel {name}", numel, want[name])
         want = shard_numel if backward else full_numel
         where = f"step {step} reshard_after_backward={backward}: after backward"
-        _record_numels(ctx, where, model, want, full_numel)
+        record_numels(ctx, where, model, want, full_numel)
         if not backward:  # the optimizer steps the shards: drop the unsharded copies first
-            _reshard_all(model)
+            reshard_all(model)
 
     batches = rank_batches(ctx.rank, (4, DIMS[0]), steps=len(RESHARD_PLAN))
     train_against(ctx, model, ddp, batches, square_mean, ctx.tol, before_step=toggle, after_backward=layouts)
@@ -566,7 +368,7 @@ def manual_reshard_unshard_lifecycle(ctx: CaseContext) -> None:
 
             def readable(when: str, where: str = where, own: tuple = own, want: dict = want) -> None:
                 """The group's own params full and equal to the reference, the others still sharded."""
-                _record_numels(ctx, f"{where} {when}", model, want, full_numel)
+                record_numels(ctx, f"{where} {when}", model, want, full_numel)
                 params = named_params(model)
                 for name in own:
                     param = params[name]
@@ -612,7 +414,7 @@ def manual_reshard_unshard_lifecycle(ctx: CaseContext) -> None:
             with record_collectives() as rec:
                 raises_nothing(ctx, f"{where}: reshard() x2", lambda t=target: (t.reshard(), t.reshard()))
             ctx.equal(f"{where}: collectives issued by reshard", len(rec.calls), 0)
-            _record_numels(ctx, f"{where} resharded", model, shard_numel, full_numel)
+            record_numels(ctx, f"{where} resharded", model, shard_numel, full_numel)
             params = named_params(model)
             for name in own:
                 ctx.true(f"{where} resharded: {name} sharded", impl.is_sharded(params[name]))
@@ -623,117 +425,3 @@ def manual_reshard_unshard_lifecycle(ctx: CaseContext) -> None:
     lifecycle("initial", None)
     train_against(ctx, model, ddp, rank_batches(rank, (4, DIMS[0])), square_mean, ctx.tol)
     lifecycle("after 2 steps", ctx.tol.grad)
-
-
-@case(
-    "L1-09",
-    "test_fully_shard_list_input",
-    world_size=2,
-    mesh={"dp": 2},
-    config="FSDP 1D fp32",
-    needs=("list_input", "reshard_controls", "gradient_sync", "unshard_reshard"),
-)
-def fully_shard_list_input(ctx: CaseContext) -> None:
-    """fully_shard([layer0, layer1]) returns a list of the two modules, each an HSDPModule with its
-    own group. Controlling one (reshard flags, gradient sync, unshard/reshard, a step using it
-    alone) leaves the other's params and grads as they would be; the whole model trains like DDP
-    with finite grads."""
-    world, rank, tol = ctx.world_size, ctx.rank, ctx.tol
-    mesh = ctx.mesh
-    model = MLP(DIMS)
-    ddp = ddp_of(model)
-    full_numel, shard_numel = numels(model, world, rank)
-    listed = [model.layers[0], model.layers[1]]
-    returned = impl.fully_shard(listed, mesh=mesh)
-    ctx.true("returns a list", isinstance(returned, list), type(returned).__name__, "list")
-    ctx.require("one element per listed module", isinstance(returned, list) and len(returned) == len(listed))
-    for i, (element, module) in enumerate(zip(returned, listed, strict=True)):
-        ctx.true(f"element {i} is an HSDPModule", isinstance(element, impl.HSDPModule), type(element).__name__)
-        ctx.true(f"element {i} is listed module {i}", element is module)
-    impl.fully_shard(model, mesh=mesh)  # the root's group holds layer 2
-    own = {i: (f"layers.{i}.weight", f"layers.{i}.bias") for i in range(len(listed))}
-
-    def grads_finite(label: str) -> None:
-        for name, param in named_params(model).items():
-            finite = param.grad is not None and bool(torch.isfinite(full(param.grad)).all())
-            ctx.true(f"{label} grad {name} finite", finite)
-
-    batches = rank_batches(rank, (4, DIMS[0]))
-    train_against(ctx, model, ddp, batches, square_mean, tol, after_backward=lambda step: grads_finite(f"step {step}"))
-
-    for mine, other in ((0, 1), (1, 0)):
-        controlled, label = returned[mine], f"controlling layers.{mine}:"
-
-        def layout(where: str, unsharded: bool, mine: int = mine, other: int = other) -> None:
-            want = {n: full_numel[n] if unsharded and n in own[mine] else shard_numel[n] for n in full_numel}
-            _record_numels(ctx, where, model, want, own[mine] + own[other])
-
-        # reshard flags: only the controlled group stays unsharded after forward and backward
-        batch = rank_batch(20 + mine, rank, (4, DIMS[0]))
-        controlled.set_reshard_after_forward(False)
-        controlled.set_reshard_after_backward(False)
-        out = model(batch)
-        layout(f"{label} reshard flags off, after forward", unsharded=True)
-        out.float().square().mean().backward()
-        layout(f"{label} reshard flags off, after backward", unsharded=True)
-        controlled.set_reshard_after_forward(True)
-        controlled.set_reshard_after_backward(True)
-        _reshard_all(model)
-        square_mean(ddp, batch).backward()
-        record_grads(ctx, f"{label} reshard flags off", model, ddp, tol.grad)
-        model.zero_grad()
-        ddp.zero_grad()
-
-        # gradient sync off for the controlled group: the others still reduce, like DDP
-        batch = rank_batch(30 + mine, rank, (4, DIMS[0]))
-        controlled.set_requires_gradient_sync(False)
-        with record_collectives() as rec:
-            square_mean(model, batch).backward()
-        controlled.set_requires_gradient_sync(True)
-        square_mean(ddp, batch).backward()
-        others_reduced = len(rec.of("reduce_scatter"))
-        ctx.true(f"{label} sync off: the other groups reduce-scatter", others_reduced > 0, others_reduced, "> 0")
-        params = named_params(model)
-        for name in own[mine]:
-            ctx.true(f"{label} sync off: {name} has no grad yet", params[name].grad is None)
-        others = [n for n in full_numel if n not in own[mine]]
-        record_grads(ctx, f"{label} sync off, the others'", model, ddp, tol.grad, others)
-        model.zero_grad()
-        ddp.zero_grad()
-
-        # unshard / reshard of the controlled group only
-        controlled.unshard()
-        layout(f"{label} unshard()", unsharded=True)
-        controlled.reshard()
-        layout(f"{label} reshard()", unsharded=False)
-
-        # a step using the controlled layer alone: its grads equal DDP's of a copy, no other grads
-        layer = listed[mine]
-        twin = nn.Linear(layer.in_features, layer.out_features)
-        with torch.no_grad():
-            twin.weight.copy_(full(layer.weight))
-            twin.bias.copy_(full(layer.bias))
-        alone = ddp_of(twin)
-        batch = rank_batch(40 + mine, rank, (4, layer.in_features))
-        loss = square_mean(layer, batch)
-        loss.backward()
-        ref_loss = square_mean(alone, batch)
-        ref_loss.backward()
-        ctx.close(f"{label} used alone: loss", loss, ref_loss, tol.loss)
-        record_grads(ctx, f"{label} used alone", layer, alone, tol.grad)
-        params = named_params(model)
-        for name in others:
-            ctx.true(f"{label} used alone: {name} has no grad", params[name].grad is None)
-        layout(f"{label} used alone, after backward", unsharded=False)
-        model.zero_grad()
-
-    train_against(
-        ctx,
-        model,
-        ddp,
-        rank_batches(rank, (4, DIMS[0]), first=50),
-        square_mean,
-        tol,
-        label="after the controls",
-        after_backward=lambda step: grads_finite(f"after the controls step {step}"),
-    )

@@ -1,0 +1,24 @@
+"""The plan case files: each case exported under its name by the plan's target file it belongs to
+(``Case.plan_file``), and no case file over 500 lines (a target's cases split by level instead)."""
+
+from __future__ import annotations
+
+import importlib
+
+from tests.kit.judging.case import PLAN_DIR, PLAN_PACKAGE, load_plan_cases
+
+MOST_LINES = 500
+
+
+def test_each_case_is_a_test_of_its_plan_target_file():
+    missing = []
+    for spec in load_plan_cases().values():
+        target = importlib.import_module(f"{PLAN_PACKAGE}.{spec.plan_file.removesuffix('.py')}")
+        if not callable(getattr(target, spec.name, None)):
+            missing.append(f"{spec.id} ({spec.file}) is no test {spec.name} of {spec.plan_file}")
+    assert not missing, "\n".join(missing)
+
+
+def test_no_case_file_is_over_500_lines():
+    long = {p.name: n for p in PLAN_DIR.glob("_test_*.py") if (n := len(p.read_text().splitlines())) > MOST_LINES}
+    assert not long, long
