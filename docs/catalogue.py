@@ -53,10 +53,11 @@ def cell(text: str) -> str:
 SUMMARY_MIN = 60  # a first sentence shorter than this (a set-up, not a check) takes the next one too
 
 
-def first_sentence(body: Any) -> str:
-    """The first sentence of a case body's docstring (up to a '.' followed by a space, or the end),
-    with the sentences after it while the summary is shorter than ``SUMMARY_MIN`` characters."""
-    doc = " ".join((inspect.getdoc(body) or "").split())
+def first_sentence(body: Any, about: str = "") -> str:
+    """The first sentence of a case body's docstring, or of ``about`` where the case says what it is
+    (another layout's): up to a '.' followed by a space, or the end, with the sentences after it
+    while the summary is shorter than ``SUMMARY_MIN`` characters."""
+    doc = " ".join((about or inspect.getdoc(body) or "").split())
     sentences = re.findall(r".*?[.!?](?=\s|$)|.+$", doc)
     summary = ""
     for sentence in sentences:
@@ -167,7 +168,7 @@ def generated() -> str:
             needs = ", ".join(f"`{n}`" for n in c.needs if n != "fully_shard") or "-"
             out.append(
                 f"| {c.id} | `{c.name}` | {c.world_size} | {mesh_text(c.mesh)} | {c.config} | {needs} "
-                f"| {c.timeout:g} s | `{c.plan_file}`: {plan_link(c.file)} | {cell(first_sentence(c.body))} |"
+                f"| {c.timeout:g} s | `{c.plan_file}`: {plan_link(c.file)} | {cell(first_sentence(c.body, c.about))} |"
             )
     out.append("")
     out.append(f"{len(cases)} cases in all.")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from tests.kit.judging.tolerances import tolerance
 __all__ = [
     "Case",
     "CaseContext",
+    "Layout",
     "Check",
     "REGISTRY",
     "case",
@@ -59,6 +61,19 @@ def case_by_id(case_id: str) -> Case:
         raise KeyError(f"no case {case_id!r}; known: {sorted(REGISTRY)}") from None
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Another mesh a case runs on, as a case of its own: id ``<case id>-<suffix>``, name
+    ``<case name>_<suffix>_layout``, the same body; ``about`` says what differs (docs/cases.md)."""
+
+    suffix: str
+    world_size: int
+    mesh: dict[str, int]
+    config: str
+    needs: tuple[str, ...] = ()
+    about: str = ""
+
+
 def case(
     id: str,
     name: str,
@@ -67,9 +82,38 @@ def case(
     config: str,
     needs: tuple[str, ...] = (),
     timeout: float = 120.0,
+    layouts: tuple[Layout, ...] = (),
 ) -> Callable[[Callable[[CaseContext], None]], Callable[[CaseContext], None]]:
-    """Register ``body`` as the plan's case ``id`` (decorator). ``needs``: plan features beyond
-    the basic ``fully_shard`` (see ``tests.kit.judging.surface.FEATURES``)."""
+    """Register ``body`` as the plan's case ``id`` (decorator), and as one case more per other
+    mesh in ``layouts``. ``needs``: plan features beyond the basic ``fully_shard`` (see
+    ``tests.kit.judging.surface.FEATURES``)."""
+    specs = [(id, name, world_size, mesh, config, needs, "")]
+    specs += [
+        (f"{id}-{o.suffix}", f"{name}_{o.suffix.lower()}_layout", o.world_size, o.mesh, o.config, o.needs, o.about)
+        for o in layouts
+    ]
+    for spec_id, _, ranks, spec_mesh, spec_config, spec_needs, _ in specs:
+        _check_case_arguments(spec_id, ranks, spec_mesh, spec_config, spec_needs)
+
+    def register(body: Callable[[CaseContext], None]) -> Callable[[CaseContext], None]:
+        for spec_id, spec_name, ranks, spec_mesh, spec_config, spec_needs, about in specs:
+            needed = ("fully_shard", *spec_needs)
+            spec = Case(spec_id, spec_name, ranks, dict(spec_mesh), spec_config, body, needed, timeout, about=about)
+            if not spec.file.startswith("_test_"):
+                raise ValueError(f"case {spec_id} is registered from {body.__module__}, not a plan file _test_*.py")
+            existing = REGISTRY.get(spec_id)
+            if existing is not None and existing.body.__qualname__ != body.__qualname__:
+                raise ValueError(f"case id {spec_id} registered twice ({existing.name}, {spec_name})")
+            REGISTRY[spec_id] = spec
+        return body
+
+    return register
+
+
+def _check_case_arguments(
+    id: str, world_size: int, mesh: dict[str, int], config: str, needs: tuple[str, ...]
+) -> None:
+    """A case's arguments, checked as the plan file is imported (never mid-run)."""
     if id.split("-")[0] not in (*LEVELS, KIT_LEVEL):
         raise ValueError(f"case id {id!r} must start with one of {tuple(LEVELS)}")
     tolerance(config)  # an unknown precision-matrix row fails at import, not mid-run
@@ -78,18 +122,6 @@ def case(
     unknown = [n for n in needs if n not in FEATURES]
     if unknown:
         raise ValueError(f"case {id}: unknown features {unknown}; known: {sorted(FEATURES)}")
-
-    def register(body: Callable[[CaseContext], None]) -> Callable[[CaseContext], None]:
-        spec = Case(id, name, world_size, dict(mesh), config, body, ("fully_shard", *needs), timeout)
-        if not spec.file.startswith("_test_"):
-            raise ValueError(f"case {id} is registered from {body.__module__}, not from a plan file _test_*.py")
-        existing = REGISTRY.get(id)
-        if existing is not None and existing.body.__qualname__ != body.__qualname__:
-            raise ValueError(f"case id {id} registered twice ({existing.name}, {name})")
-        REGISTRY[id] = spec
-        return body
-
-    return register
 
 
 class ImplementationRefused(Exception):

@@ -34,6 +34,7 @@ class Case:
     timeout: float = 120.0
     # None: the accelerator's backend where there is one, else gloo (tests.kit.runtime.devices)
     backend: str | None = None
+    about: str = ""  # what this case is, where its body's docstring says another's (a case's other layout)
 
     @property
     def level(self) -> str:

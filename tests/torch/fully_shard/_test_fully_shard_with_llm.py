@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.kit.judging.case import CaseContext, case
+from tests.kit.judging.case import CaseContext, Layout, case
 from tests.kit.judging.determinism import Run, rerun_bitwise
 from tests.kit.judging.recorder import record_collectives
 from tests.kit.judging.reference import ddp_of
@@ -97,6 +97,15 @@ def _decoder_trains_like_ddp(mesh: Any, tol: Tolerance) -> Run:
     mesh={"replicate": 2, "shard": 2},
     config="HSDP 2D fp32",
     needs=("hsdp",),
+    layouts=(
+        Layout(
+            "FSDP",
+            world_size=4,
+            mesh={"dp": 4},
+            config="FSDP 1D fp32",
+            about="L3-01 on its other mesh shape: the same decoder, 1-D FSDP over the 4 ranks, against DDP.",
+        ),
+    ),
 )
 def llm_decoder_hsdp_vs_ddp(ctx: CaseContext) -> None:
     """The 4-layer decoder (RMSNorm, causal MHA, SwiGLU, embedding tied to the output head; vocab
@@ -107,40 +116,25 @@ def llm_decoder_hsdp_vs_ddp(ctx: CaseContext) -> None:
 
 
 @case(
-    "L3-01-FSDP",
-    "test_llm_decoder_hsdp_vs_ddp_fsdp_layout",
-    world_size=4,
-    mesh={"dp": 4},
-    config="FSDP 1D fp32",
-)
-def llm_decoder_4_ranks_fsdp(ctx: CaseContext) -> None:
-    """L3-01 on its other mesh shape: the same decoder, 1-D FSDP over the 4 ranks, against DDP."""
-    rerun_bitwise(ctx, _decoder_trains_like_ddp(ctx.mesh, ctx.tol))
-
-
-@case(
     "L3-02",
     "test_llm_decoder_fsdp_1d_vs_ddp",
     world_size=2,
     mesh={"dp": 2},
     config="FSDP 1D fp32",
+    layouts=(
+        Layout(
+            "HSDP",
+            world_size=4,
+            mesh={"replicate": 2, "shard": 2},
+            config="HSDP 2D fp32",
+            needs=("hsdp",),
+            about="L3-02 on its other mesh shape: HSDP (replicate 2 x shard 2) against DDP over the 4 ranks.",
+        ),
+    ),
 )
 def llm_decoder_fsdp_1d_vs_ddp(ctx: CaseContext) -> None:
     """The L3-01 decoder under 1-D FSDP over 2 ranks against DDP: step 0 and 1 loss, grad norm and
     every grad within 1e-5; bitwise rerun."""
-    rerun_bitwise(ctx, _decoder_trains_like_ddp(ctx.mesh, ctx.tol))
-
-
-@case(
-    "L3-02-HSDP",
-    "test_llm_decoder_fsdp_1d_vs_ddp_hsdp_layout",
-    world_size=4,
-    mesh={"replicate": 2, "shard": 2},
-    config="HSDP 2D fp32",
-    needs=("hsdp",),
-)
-def llm_decoder_2x2_hsdp(ctx: CaseContext) -> None:
-    """L3-02 on its other mesh shape: HSDP (replicate 2 x shard 2) against DDP over the 4 ranks."""
     rerun_bitwise(ctx, _decoder_trains_like_ddp(ctx.mesh, ctx.tol))
 
 
@@ -221,24 +215,21 @@ def _chunked_ce_trains_like_ddp(mesh: Any, tol: Tolerance) -> Run:
     world_size=2,
     mesh={"dp": 2},
     config="FSDP 1D fp32",
+    layouts=(
+        Layout(
+            "HSDP",
+            world_size=4,
+            mesh={"replicate": 2, "shard": 2},
+            config="HSDP 2D fp32",
+            needs=("hsdp",),
+            about="L3-05 on its other mesh shape: HSDP (replicate 2 x shard 2) against DDP over the 4 ranks.",
+        ),
+    ),
 )
 def chunked_ce_fsdp_vs_ddp(ctx: CaseContext) -> None:
     """2-layer decoder + vocab-32768 output under 1-D FSDP, cross entropy in chunks of 512 tokens:
     total loss, each chunk's loss, grad norm, output-weight grad norm and every grad within 1e-5 of
     DDP; the chunk losses sum to the total within 1e-6; bitwise rerun."""
-    rerun_bitwise(ctx, _chunked_ce_trains_like_ddp(ctx.mesh, ctx.tol))
-
-
-@case(
-    "L3-05-HSDP",
-    "test_chunked_ce_fsdp_vs_ddp_hsdp_layout",
-    world_size=4,
-    mesh={"replicate": 2, "shard": 2},
-    config="HSDP 2D fp32",
-    needs=("hsdp",),
-)
-def chunked_ce_hsdp(ctx: CaseContext) -> None:
-    """L3-05 on its other mesh shape: HSDP (replicate 2 x shard 2) against DDP over the 4 ranks."""
     rerun_bitwise(ctx, _chunked_ce_trains_like_ddp(ctx.mesh, ctx.tol))
 
 
@@ -350,6 +341,20 @@ def _moe_trains_like_single_device(ctx: CaseContext) -> Run:
     mesh={"replicate": 1, "fsdp": 2, "ep": 2},
     config="EP + FSDP fp32",
     needs=("expert_parallel", "submesh", "reduce_op_type", "hsdp"),
+    layouts=(
+        Layout(
+            "HSDP",
+            world_size=4,
+            mesh={"replicate": 2, "fsdp": 1, "ep": 2},
+            config="EP + FSDP fp32",
+            needs=("expert_parallel", "submesh", "reduce_op_type", "hsdp"),
+            about=(
+                "L3-03's other layout, (replicate 2, fsdp 1, ep 2): dense params HSDP over (replicate 2, fsdp x ep "
+                "2) instead of FSDP over 4, and each expert whole on the ranks holding it, all-reduced over the "
+                "replicate dim instead of sharded over fsdp."
+            ),
+        ),
+    ),
 )
 def moe_llm_ep_fsdp(ctx: CaseContext) -> None:
     """The 4-layer MoE decoder (2 dense FFN + 2 MoE layers: 4 experts, top-2, expert dim 512; hidden
@@ -360,16 +365,3 @@ def moe_llm_ep_fsdp(ctx: CaseContext) -> None:
     rerun_bitwise(ctx, _moe_trains_like_single_device(ctx))
 
 
-@case(
-    "L3-03-HSDP",
-    "test_moe_llm_ep_fsdp_vs_ddp_hsdp_layout",
-    world_size=4,
-    mesh={"replicate": 2, "fsdp": 1, "ep": 2},
-    config="EP + FSDP fp32",
-    needs=("expert_parallel", "submesh", "reduce_op_type", "hsdp"),
-)
-def moe_llm_ep_hsdp(ctx: CaseContext) -> None:
-    """L3-03's other layout, (replicate 2, fsdp 1, ep 2): dense params HSDP over (replicate 2, fsdp x ep
-    2) instead of FSDP over 4, and each expert whole on the ranks holding it, all-reduced over the
-    replicate dim instead of sharded over fsdp."""
-    rerun_bitwise(ctx, _moe_trains_like_single_device(ctx))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.kit.judging.case import CaseContext, case
+from tests.kit.judging.case import CaseContext, Layout, case
 from tests.kit.judging.determinism import Run, rerun_bitwise
 from tests.kit.judging.reference import ddp_of
 from tests.kit.judging.surface import impl
@@ -97,25 +97,22 @@ def _vit_trains_like_ddp(mesh: Any, tol: Tolerance) -> Run:
     mesh={"dp": 2},
     config="FSDP 1D fp32",
     needs=("replicate_params",),
+    layouts=(
+        Layout(
+            "HSDP",
+            world_size=4,
+            mesh={"replicate": 2, "shard": 2},
+            config="HSDP 2D fp32",
+            needs=("replicate_params", "hsdp"),
+            about="L3-04 on its other mesh shape: HSDP (replicate 2 x shard 2) against DDP over the 4 ranks.",
+        ),
+    ),
 )
 def vit_fsdp_vs_ddp(ctx: CaseContext) -> None:
     """ViT (patch embedding, CLS token, 6 pre-norm encoder blocks, head; hidden 256, image 224) under
     1-D FSDP with the patch embedding and head kept whole: loss, grad norm and every grad (the last
     MLP weight among them) within 1e-5 of DDP at steps 0 and 1; the whole parts' grads bitwise
     equal on all ranks and equal to DDP; bitwise rerun."""
-    rerun_bitwise(ctx, _vit_trains_like_ddp(ctx.mesh, ctx.tol))
-
-
-@case(
-    "L3-04-HSDP",
-    "test_vit_fsdp_vs_ddp_hsdp_layout",
-    world_size=4,
-    mesh={"replicate": 2, "shard": 2},
-    config="HSDP 2D fp32",
-    needs=("replicate_params", "hsdp"),
-)
-def vit_hsdp(ctx: CaseContext) -> None:
-    """L3-04 on its other mesh shape: HSDP (replicate 2 x shard 2) against DDP over the 4 ranks."""
     rerun_bitwise(ctx, _vit_trains_like_ddp(ctx.mesh, ctx.tol))
 
 
@@ -180,6 +177,16 @@ def _multimodal_trains_like_ddp(mesh: Any, tol: Tolerance) -> Run:
     mesh={"dp": 2},
     config="FSDP 1D fp32",
     needs=("replicate_params",),
+    layouts=(
+        Layout(
+            "HSDP",
+            world_size=4,
+            mesh={"replicate": 2, "shard": 2},
+            config="HSDP 2D fp32",
+            needs=("replicate_params", "hsdp"),
+            about="L3-06 on its other mesh shape: HSDP (replicate 2 x shard 2) against DDP over the 4 ranks.",
+        ),
+    ),
 )
 def multimodal_deepstack_fsdp(ctx: CaseContext) -> None:
     """4-block ViT (hidden 128) -> 2-layer projection MLP (kept whole) -> 2-layer decoder (hidden 256),
@@ -189,14 +196,3 @@ def multimodal_deepstack_fsdp(ctx: CaseContext) -> None:
     rerun_bitwise(ctx, _multimodal_trains_like_ddp(ctx.mesh, ctx.tol))
 
 
-@case(
-    "L3-06-HSDP",
-    "test_multimodal_deepstack_fsdp_hsdp_layout",
-    world_size=4,
-    mesh={"replicate": 2, "shard": 2},
-    config="HSDP 2D fp32",
-    needs=("replicate_params", "hsdp"),
-)
-def multimodal_hsdp(ctx: CaseContext) -> None:
-    """L3-06 on its other mesh shape: HSDP (replicate 2 x shard 2) against DDP over the 4 ranks."""
-    rerun_bitwise(ctx, _multimodal_trains_like_ddp(ctx.mesh, ctx.tol))
