@@ -104,12 +104,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "its modules sharded",
         "    check_disjoint(modules, plans)\n"
         "    sharded = [\n"
-        "        shard_module(m, plan, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion, "
+        "        shard_module(m, plan, info, reshard_after_forward, mp_policy, offload_policy, comm_fusion, "
         "device, ignored)\n"
         "        for m, plan in zip(modules, plans, strict=True)\n"
         "    ]\n",
         "    sharded = [\n"
-        "        shard_module(m, plan, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion, "
+        "        shard_module(m, plan, info, reshard_after_forward, mp_policy, offload_policy, comm_fusion, "
         "device, ignored)\n"
         "        for m, plan in zip(modules, plans, strict=True)\n"
         "    ]\n"

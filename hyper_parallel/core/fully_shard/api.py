@@ -351,8 +351,8 @@ def fully_shard(
             "fully_shard(dp_mesh_dims=...): a full SPMD mesh with DTensor params is not supported; "
             "pass the data-parallel (sub-)mesh as mesh"
         )
-    mesh = check_mesh(mesh)
-    reshard_after_forward = check_reshard_after_forward(reshard_after_forward, mesh)
+    info = check_mesh(mesh)  # the mesh, described once
+    reshard_after_forward = check_reshard_after_forward(reshard_after_forward, info)
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(f"shard_placement_fn must be callable or None, got {shard_placement_fn!r}")
     mp_policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
@@ -362,15 +362,15 @@ def fully_shard(
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
     _check_bool("comm_fusion", comm_fusion)
-    device = check_device(device, mesh)
+    device = check_device(device, info)
     ignored = check_param_set("ignored_params", ignored_params, modules)
     replicated = check_param_set("replicate_params", replicate_params, modules)
     if both := ignored & replicated:
         raise ValueError(f"{len(both)} param(s) are in both ignored_params and replicate_params")
-    plans = [plan_module(m, mesh, shard_placement_fn, mp_policy, ignored, replicated) for m in modules]
+    plans = [plan_module(m, info, shard_placement_fn, mp_policy, ignored, replicated) for m in modules]
     check_disjoint(modules, plans)
     sharded = [
-        shard_module(m, plan, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion, device, ignored)
+        shard_module(m, plan, info, reshard_after_forward, mp_policy, offload_policy, comm_fusion, device, ignored)
         for m, plan in zip(modules, plans, strict=True)
     ]
     for m in sharded:

@@ -14,12 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from hyper_parallel.platform.torch.compat import root_mesh
-from hyper_parallel.platform.torch.fully_shard.mesh_info import (
-    default_mesh,
-    device_of,
-    mesh_info_of,
-    post_forward_mesh,
-)
+from hyper_parallel.platform.torch.fully_shard.mesh_info import MeshInfo, default_mesh, mesh_info_of
 from hyper_parallel.platform.torch.fully_shard.param import HSDPParam, ModuleSlot
 from hyper_parallel.platform.torch.fully_shard.param_group import HSDPParamGroup
 from hyper_parallel.platform.torch.fully_shard.state import STATE_ATTR, HSDPState, state_of
@@ -50,9 +45,10 @@ def check_modules(module: object) -> list[nn.Module]:
     return modules
 
 
-def check_mesh(mesh: object) -> DeviceMesh:
+def check_mesh(mesh: object) -> MeshInfo:
+    """The mesh, described once (``MeshInfo``): None is a 1-D mesh over the world."""
     if mesh is None:
-        return default_mesh()
+        return mesh_info_of(default_mesh())
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
@@ -65,17 +61,17 @@ def check_mesh(mesh: object) -> DeviceMesh:
             "mesh: Please init the 2D mesh for HSDP with mesh_dim_names specified "
             "(init_device_mesh(..., mesh_dim_names=('replicate', 'shard')))"
         )
-    return mesh
+    return mesh_info_of(mesh)
 
 
-def check_reshard_after_forward(value: object, mesh: DeviceMesh) -> bool | int | None:
+def check_reshard_after_forward(value: object, info: MeshInfo) -> bool | int | None:
     """True / False / None, or an int: the number of ranks to reshard to after forward, a divisor of
     the shard dim's size (1 means False and the shard dim's size means True, as in FSDP2)."""
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
         raise TypeError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
-    shard_size = mesh.size(mesh.ndim - 1)
+    shard_size = info.shard_size
     if value < 1 or shard_size % value:
         raise ValueError(
             f"reshard_after_forward={value}: an int must divide the shard dim's size {shard_size} "
@@ -86,17 +82,17 @@ def check_reshard_after_forward(value: object, mesh: DeviceMesh) -> bool | int |
     return True if value == shard_size else value
 
 
-def check_device(device: object, mesh: DeviceMesh) -> torch.device:
+def check_device(device: object, info: MeshInfo) -> torch.device:
     if device is None:
-        return device_of(mesh)
+        return info.device
     try:
         resolved = torch.device(device)
     except (TypeError, RuntimeError) as exc:
         raise TypeError(f"device must be a torch.device or device string, got {device!r}") from exc
-    if resolved.type != mesh.device_type:
-        raise ValueError(f"device {resolved} does not match the mesh's device type {mesh.device_type}")
+    if resolved.type != info.mesh.device_type:
+        raise ValueError(f"device {resolved} does not match the mesh's device type {info.mesh.device_type}")
     if resolved.type != "cpu" and resolved.index is None:
-        resolved = device_of(mesh)
+        resolved = info.device
     return resolved
 
 
@@ -127,7 +123,7 @@ class ModulePlan:
 
 def plan_module(
     module: nn.Module,
-    mesh: DeviceMesh,
+    info: MeshInfo,
     shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None,
     mp_policy: MixedPrecisionPolicy,
     ignored: set[int],
@@ -146,7 +142,7 @@ def plan_module(
             )
         _check_shardable(name, param, id(param) in replicated)
         if isinstance(param, DTensor):
-            _check_tensor_parallel_param(name, param, mesh)
+            _check_tensor_parallel_param(name, param, info.mesh)
         if id(param) not in plan.slots:
             plan.params.append(param)
             plan.slots[id(param)] = []
@@ -274,7 +270,7 @@ def check_disjoint(modules: list[nn.Module], plans: list[ModulePlan]) -> None:
 def shard_module(
     module: nn.Module,
     plan: ModulePlan,
-    mesh: DeviceMesh,
+    info: MeshInfo,
     reshard_after_forward: bool | int | None,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy,
@@ -284,7 +280,6 @@ def shard_module(
 ) -> nn.Module:
     """Apply ``plan`` to ``module``: its params sharded (``HSDPParam``), one group, buffers on the
     compute device, and the state that hooks its forward; ``fully_shard`` then swaps its class."""
-    info = mesh_info_of(mesh)
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     params = [
         HSDPParam(p, plan.slots[id(p)], plan.placements[id(p)], info, device, mp_policy, offload) for p in plan.params
@@ -295,7 +290,7 @@ def shard_module(
     _move_buffers(module, device)
     post_forward = None
     if group is not None and not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
-        post_forward = post_forward_mesh(info, reshard_after_forward)
+        post_forward = info.post_forward(reshard_after_forward)
     state = HSDPState(module, group, mp_policy, reshard_after_forward, ignored, post_forward)
     module.__dict__[STATE_ATTR] = state
     return module
