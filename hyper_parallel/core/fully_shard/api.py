@@ -72,13 +72,14 @@ class HSDPModule:
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
         """``to`` / ``to_empty`` / ``double`` / ...: applied to the sharded params (resharded first), then
         this group follows their new dtype and device (deferred init materialises its shards here)."""
-        group = state_of(self).param_group
+        state = state_of(self)
+        group = state.param_group
         if group is not None:
             group.finish_reductions()
             group.reshard()
         result = super()._apply(fn, recurse)
         if group is not None:
-            group.refresh_after_apply()
+            group.refresh_after_apply(state.mp_policy)
         return result
 
     def _hsdp_states(self, recurse: bool = True) -> list[HSDPState]:

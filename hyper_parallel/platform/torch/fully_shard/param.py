@@ -77,12 +77,11 @@ class HSDPParam:
         self.original_id = original_id(param)  # the object sharded: two groups must not share it
         self.mesh_info = mesh_info
         self.device = device
-        self.mp_policy = mp_policy
         self.offload_to_cpu = offload_to_cpu
         self._init_tensor_parallel(param)
         # What this engine shards and gathers: the param itself, or its TP-local tensor.
         self.full_shape = self._tp_local(param).shape
-        self._follow_dtype(param.dtype)
+        self._follow_dtype(param.dtype, mp_policy)
         self.use_main_grad = mp_policy.apply_grad_on_fp32_main_grad and param.is_floating_point()
         self.shard_device = torch.device("cpu") if offload_to_cpu is not None else device
         self.pin_memory = offload_to_cpu is not None and offload_to_cpu.pin_memory and device.type != "cpu"
@@ -99,13 +98,13 @@ class HSDPParam:
         self.unreduced_grad: torch.Tensor | None = None
         self._gathered_version = (-1, -1)
 
-    def _follow_dtype(self, dtype: torch.dtype) -> None:
+    def _follow_dtype(self, dtype: torch.dtype, policy: Precision) -> None:
         """The sharded param's dtype, and the compute and reduce dtypes the policy gives it (a
-        policy casts floating params only)."""
+        policy casts floating params only). The policy is its module's state's, passed in."""
         floating = dtype.is_floating_point
         self.orig_dtype = dtype
-        self.param_dtype = (self.mp_policy.param_dtype if floating else None) or dtype
-        self.reduce_dtype = (self.mp_policy.reduce_dtype if floating else None) or self.param_dtype
+        self.param_dtype = (policy.param_dtype if floating else None) or dtype
+        self.reduce_dtype = (policy.reduce_dtype if floating else None) or self.param_dtype
 
     # -- tensor parallel -------------------------------------------------------------------
     def _init_tensor_parallel(self, param: nn.Parameter) -> None:
@@ -209,7 +208,7 @@ class HSDPParam:
         for module, name in self.slots:
             set_module_param(module, name, param)
 
-    def refresh_after_apply(self) -> None:
+    def refresh_after_apply(self, policy: Precision) -> None:
         """Follow what ``nn.Module._apply`` (``to``, ``to_empty``, ``double``, ...) did to the sharded
         param: it swaps the DTensor's contents in place, so its dtype and device are read back here,
         the offload policy is applied again, and the unsharded copy is rebuilt to match."""
@@ -219,7 +218,7 @@ class HSDPParam:
             if self.pin_memory:
                 local = local.pin_memory()
             self.sharded_param._local_tensor = local
-        self._follow_dtype(local.dtype)
+        self._follow_dtype(local.dtype, policy)
         if not local.is_meta:
             self.shard_device = local.device
         if self.use_main_grad:  # _apply swapped the grad too; the main grad is that tensor again
@@ -229,7 +228,7 @@ class HSDPParam:
         self._init_unsharded(self.sharded_param)
         self._gathered_version = (-1, -1)
 
-    def adopt_registered(self) -> None:
+    def adopt_registered(self, policy: Precision) -> None:
         """A param registered in this param's place after ``fully_shard`` (a weight computed from others
         once they are materialised, say) becomes this param's sharded param, as in FSDP2's lazy init:
         the user's object is what the module, its state dict and an optimizer built after the
@@ -255,7 +254,7 @@ class HSDPParam:
             fresh = nn.Parameter(self._global_view(local, self.sharded_mesh, self.placements), current.requires_grad)
             torch.utils.swap_tensors(current, fresh)  # the user's object, now the sharded DTensor
         self.sharded_param = current
-        self.refresh_after_apply()  # the offload policy, dtypes and the unsharded copy follow it
+        self.refresh_after_apply(policy)  # the offload policy, dtypes and the unsharded copy follow it
         self.use_sharded()
 
     # -- unsharded side -------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch
 from .collectives import AllGather, ReduceSettings, Reduction, start_all_gather, start_reduction
 from .mesh_info import MeshInfo, PostForwardMesh
 from .param import HSDPParam
+from .policy import Precision
 
 
 class ShardedState(Enum):
@@ -182,18 +183,20 @@ class HSDPParamGroup:
             param.unreduced_grad = None
             param.unsharded_param.grad = None
 
-    def adopt_registered_params(self) -> None:
+    def adopt_registered_params(self, policy: Precision) -> None:
         """Shard plain params registered in the sharded ones' place since ``fully_shard`` (the root's
-        first forward; only while resharded, when the registered params are the sharded ones)."""
+        first forward; only while resharded, when the registered params are the sharded ones), under
+        the module's mixed-precision ``policy``."""
         if self.is_unsharded:
             return
         for param in self.params:
-            param.adopt_registered()
+            param.adopt_registered(policy)
 
-    def refresh_after_apply(self) -> None:
-        """After ``nn.Module._apply`` changed the sharded params' dtype or device."""
+    def refresh_after_apply(self, policy: Precision) -> None:
+        """After ``nn.Module._apply`` changed the sharded params' dtype or device: the dtypes the
+        module's ``policy`` gives them again, and their unsharded copies rebuilt."""
         for param in self.params:
-            param.refresh_after_apply()
+            param.refresh_after_apply(policy)
 
     def finish_reductions(self) -> None:
         """Wait for started reductions and accumulate them into the sharded grads."""

@@ -317,7 +317,7 @@ class HSDPState:
                 state.is_root = False
                 state.iteration = self.iteration
             if state.param_group is not None:
-                state.param_group.adopt_registered_params()
+                state.param_group.adopt_registered_params(state.mp_policy)
 
     def _refuse_params_in_two_groups(self) -> None:
         """A param object that two separate ``fully_shard`` calls under this root sharded would train as
