@@ -40,8 +40,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--implementation",
         default=os.environ.get(IMPLEMENTATION_ENV, ""),
-        help="implementation under test: PATH (a hyper_parallel checkout), torch, native:PATH, upstream:PATH, "
-        "file:ADAPTER.py (default: this repository's engine). Only the plan cases run against another one.",
+        help="implementation under test, a SPEC (docs/judging.md#specs; default: this repository's engine). "
+        "Only the plan cases run against another one.",
     )
     group.addoption("--isolate", action="store_true", help="fresh engines for every plan case")
     group.addoption(

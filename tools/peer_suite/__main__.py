@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="NAME=SPEC",
-        help="an implementation as the kit names it ('' ours, PATH, upstream:PATH); default ours=",
+        help="an implementation as the kit names it (SPEC: docs/judging.md#specs, '' is ours); default ours=",
     )
     parser.add_argument("-k", dest="select", default="", help="pytest -k expression: a part of the tests")
     parser.add_argument("--timeout", type=float, default=180, help="seconds one test may run (then: TIMEOUT, stacks)")

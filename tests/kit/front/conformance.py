@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="NAME=SPEC",
-        help="repeatable; SPEC as in tests.kit.judging.surface ('' = ours, torch, upstream:PATH, PATH)",
+        help="repeatable; SPEC: docs/judging.md#specs ('' is ours)",
     )
     parser.add_argument("--levels", default=",".join(LEVELS), help="comma-separated levels")
     parser.add_argument("--cases", default="", help="only these case ids (comma-separated)")

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="NAME=SPEC",
-        help="implementation under test, repeatable (SPEC: '' ours, torch, upstream:PATH, PATH; default: ours)",
+        help="implementation under test, repeatable (SPEC: docs/judging.md#specs; '' is ours, the default)",
     )
     parser.add_argument("--verbose", action="store_true", help="kernel and engine output on the terminal")
     parser.add_argument("--kernel", default=KERNEL, help=f"Jupyter kernel of the notebooks (default {KERNEL})")
