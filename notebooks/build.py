@@ -25,7 +25,7 @@ KERNEL = {"name": "hyper-parallel-kit", "display_name": "hyper-parallel-kit (Pyt
 
 PARAMETERS = """\
 cases = "all"              # "all", or case ids / plan names, comma-separated: "{example}"
-implementation = ""        # implementation under test: "" (ours), a checkout PATH, "torch", "upstream:PATH"
+implementation = ""        # implementation under test: a SPEC of docs/judging.md#specs ("" is ours)
 isolate = False            # fresh engines for every case (implementations with process-global state)
 backend = "auto"           # "auto": nccl with CUDA, gloo on CPU
 timeout = 0                # seconds per case; 0: each case's own timeout
@@ -156,7 +156,7 @@ seed = 0                   # Hypothesis seed: the same configurations everywhere
 examples = 20              # configurations to draw (nbval's run in `make test` is this budget)
 cover = True               # first the covering phase: the fewest configurations holding every pair of features
 max_world_size = 4         # largest world size drawn (1..8; the cluster needs as many engines)
-implementation = ""        # implementation under test: "" (ours), a checkout PATH, "torch", "upstream:PATH"
+implementation = ""        # implementation under test: a SPEC of docs/judging.md#specs ("" is ours)
 time_budget = 0            # seconds; stop drawing after them (0: no limit)
 replay = ""                # a saved configuration to run instead: its id (runs/l4/) or a .json path
 cluster_id = ""            # join this running ipyparallel cluster (the sweep passes its own)
