@@ -1,0 +1,116 @@
+"""One rank of a torchtitan run on the CPU (``python -m torch.distributed.run ... rank.py ARGS``).
+
+Before torchtitan is imported: what the CPU and the installed torch lack (``SHIMS``, the same for
+every implementation, none of them about FSDP), torch FSDP2's own need on gloo (its divide factor is
+NCCL's PREMUL_SUM: ``set_force_sum_reduction_for_comms(True)`` beside it), and, for another
+implementation, FSDP2's public names swapped for its own (``tools.peer_suite.swap``). Rank 0 writes
+each step's loss and grad norm, at full precision, to ``TRAINER_RECORD`` (one JSON line a step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+
+SHIMS = (
+    "device: torch._utils._get_available_device_type() answers 'cpu' (torchtitan falls back to 'cuda')",
+    "metrics: torch.cpu gets get_device_name, get_device_properties (the host's memory), "
+    "reset_peak_memory_stats, empty_cache and memory_stats (empty)",
+    "torch.distributed.set_timeout (absent in torch 2.13): a no-op",
+    "torch.distributed.barrier: device_ids dropped (gloo takes none)",
+    "attention: flex attention's call made SDPA with the block mask made dense (torch refuses flex "
+    "attention's backward on the CPU, compiled or eager)",
+)
+
+
+def apply_shims() -> None:
+    """What the CPU and torch 2.13 lack, given before torchtitan is imported."""
+    import psutil
+    import torch
+    import torch._utils
+    import torch.distributed as dist
+
+    torch._utils._get_available_device_type = lambda: "cpu"
+    torch.cpu.get_device_name = lambda *a, **k: "cpu"
+    torch.cpu.get_device_properties = lambda *a, **k: types.SimpleNamespace(total_memory=psutil.virtual_memory().total)
+    torch.cpu.reset_peak_memory_stats = lambda *a, **k: None
+    torch.cpu.empty_cache = lambda *a, **k: None
+    torch.cpu.memory_stats = lambda *a, **k: {}
+    if not hasattr(dist, "set_timeout"):
+        dist.set_timeout = lambda *a, **k: None
+    barrier = dist.barrier
+
+    def barrier_without_device_ids(*args, device_ids=None, **kwargs):
+        return barrier(*args, **kwargs)
+
+    dist.barrier = barrier_without_device_ids
+    import torchtitan.models.common.attention as attention
+
+    attention.FlexAttention._compiled_flex_attn = masked_sdpa
+
+
+def masked_sdpa(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False, **_):
+    """flex attention's result through SDPA, its block mask made dense (no score_mod here)."""
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import create_mask
+
+    if score_mod is not None:
+        raise NotImplementedError("a flex attention score_mod has no SDPA form in this launcher")
+    mask = None
+    if block_mask is not None:
+        mask = create_mask(block_mask.mask_mod, q.shape[0], 1, q.shape[2], k.shape[2], device=q.device)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    return out, types.SimpleNamespace(lse=None)
+
+
+def force_sum_for_fsdp2() -> None:
+    """torch FSDP2 on gloo: a divide factor asks NCCL's PREMUL_SUM, which gloo lacks; force-sum
+    reductions make it SUM, then divide (its documented way)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    divide = FSDPModule.set_gradient_divide_factor
+
+    def set_gradient_divide_factor(self, factor):
+        divide(self, factor)
+        self.set_force_sum_reduction_for_comms(True)
+
+    FSDPModule.set_gradient_divide_factor = set_gradient_divide_factor
+
+
+def record_steps(path: str) -> None:
+    """Rank 0 writes each logged step's loss and grad norm to ``path`` at full precision."""
+    import torch.distributed as dist
+    from torchtitan.components.metrics import MetricsProcessor
+
+    log = MetricsProcessor.log
+
+    def log_and_record(self, step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs):
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            with open(path, "a") as f:
+                record = {"step": step, "loss": float(global_avg_loss), "grad_norm": float(grad_norm)}
+                f.write(json.dumps(record) + "\n")
+        return log(self, step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs)
+
+    MetricsProcessor.log = log_and_record
+
+
+def main() -> None:
+    spec = os.environ.get("TRAINER_IMPLEMENTATION", "torch")
+    apply_shims()
+    if spec == "torch":
+        force_sum_for_fsdp2()
+    else:
+        sys.path.insert(0, os.environ["TRAINER_REPO"])
+        from tools.peer_suite.swap import install
+
+        install(spec)
+    record_steps(os.environ["TRAINER_RECORD"])
+    from torchtitan.train import main as train
+
+    train()
+
+
+if __name__ == "__main__":
+    main()
