@@ -36,9 +36,10 @@ def test_a_run_that_stopped_early_is_incomplete():
 
 def test_the_page_shows_every_configuration_verdict_and_shim():
     runs = {"torch": {"exit": 0, "steps": REFERENCE}, "ours": {"exit": 0, "verdict": "BITWISE", "detail": ""}}
-    results = {"implementations": {"ours": ""}, "shims": list(SHIMS), "fsdp2_needs": ["force-sum"],
-               "configs": {name: runs for name in CONFIGS}}  # fmt: skip
+    results = {"implementations": {"ours": ""}, "shims": list(SHIMS), "fsdp2_needs": ["force-sum"], "steps": 5,
+               "torch": "2.13.0", "configs": {name: runs for name in CONFIGS}}  # fmt: skip
     shown = page(results)
+    assert "5 steps each" in shown and "torch 2.13.0" in shown and "#dff5df" in shown
     assert all(name.split(" (")[0] in shown for name in CONFIGS)
     assert shown.count("BITWISE") == len(CONFIGS) and shown.count("reference") == len(CONFIGS)
     assert all(shim.split(":")[0] in shown for shim in SHIMS) and "force-sum" in shown

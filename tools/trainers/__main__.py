@@ -56,6 +56,12 @@ def ensure_venv() -> Path:
     return python
 
 
+def _torch_of(python: Path) -> str:
+    """The torch release the venv runs."""
+    done = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
 def prepared_assets(python: Path) -> tuple[Path, Path]:
     """The tokenizer and dataset torchtitan reads, made in its venv (``tokenizers`` lives there)."""
     folder = REPO / "runs" / "trainers-assets"
@@ -86,6 +92,9 @@ def run(python: Path, spec: str, config: str, out: Path, assets: tuple[Path, Pat
     return {"exit": done.returncode, "seconds": round(time.monotonic() - started, 1), "steps": read_steps(record)}
 
 
+COLOURS = {"BITWISE": "#dff5df", "CLOSE": "#f3f7d8", "reference": "#f0f0f0"}  # anything else: red
+
+
 def page(results: dict) -> str:
     """The results as one HTML table: configuration x implementation, each cell its verdict."""
     names = list(results["implementations"])
@@ -95,14 +104,19 @@ def page(results: dict) -> str:
         for name in ["torch", *names]:
             entry = runs[name]
             shown = entry.get("verdict", "reference" if entry["exit"] == 0 else f"exit {entry['exit']}")
-            cells.append(f"<td>{html.escape(shown)} {html.escape(entry.get('detail', ''))}</td>")
+            colour = COLOURS.get(shown.split()[0], "#fce4e4")
+            text = f"{html.escape(shown)} {html.escape(entry.get('detail', ''))}"
+            cells.append(f"<td style='background:{colour}'>{text}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
     head = "".join(f"<th>{html.escape(n)}</th>" for n in ["configuration", "torch FSDP2", *names])
+    about = f"{results.get('steps', '?')} steps each, seeded, torch {results.get('torch', '?')}, gloo"
     shims = "".join(f"<li>{html.escape(s)}</li>" for s in results["shims"])
     needs = "".join(f"<li>{html.escape(s)}</li>" for s in results["fsdp2_needs"])
     return (
         "<!doctype html><meta charset=utf-8><title>torchtitan as a judge</title>"
-        f"<h1>torchtitan {html.escape(TORCHTITAN)} on 2 CPU ranks</h1><table border=1><tr>{head}</tr>"
+        f"<h1>{html.escape(TORCHTITAN.replace('==', ' '))}: torch FSDP2 and each implementation, 2 CPU ranks</h1>"
+        f"<p>{html.escape(about)}; each cell: every step's loss and grad norm against torch FSDP2's</p>"
+        f"<table border=1 cellpadding=4><tr>{head}</tr>"
         + "".join(rows)
         + f"</table><h2>Shims (CPU and torch, every engine alike)</h2><ul>{shims}</ul>"
         f"<h2>torch FSDP2's own needs on gloo</h2><ul>{needs}</ul>"
@@ -127,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     python = ensure_venv()
     assets = prepared_assets(python)
     results: dict = {"implementations": implementations, "shims": list(SHIMS), "fsdp2_needs": list(FSDP2_NEEDS),
-                     "configs": {}}  # fmt: skip
+                     "steps": args.steps, "torch": _torch_of(python), "configs": {}}  # fmt: skip
     failed = False
     for number, config in enumerate(configs):
         runs = {"torch": run(python, "torch", config, out / f"c{number}" / "torch", assets, args.steps)}
