@@ -28,6 +28,7 @@ from tests.kit.judging.tolerances import tolerance
 __all__ = [
     "Case",
     "CaseContext",
+    "HSDP_2X2",
     "Layout",
     "Check",
     "REGISTRY",
@@ -71,7 +72,18 @@ class Layout:
     mesh: dict[str, int]
     config: str
     needs: tuple[str, ...] = ()
-    about: str = ""
+    about: str = ""  # may name the case's own id as ``{id}``
+
+
+# the plan's other mesh shape of its 1-D cases: HSDP over 4 ranks, replicate 2 x shard 2
+HSDP_2X2 = Layout(
+    "HSDP",
+    world_size=4,
+    mesh={"replicate": 2, "shard": 2},
+    config="HSDP 2D fp32",
+    needs=("hsdp",),
+    about="{id} on its other mesh shape: HSDP (replicate 2 x shard 2) against DDP over the 4 ranks.",
+)
 
 
 def case(
@@ -89,7 +101,8 @@ def case(
     ``tests.kit.judging.surface.FEATURES``)."""
     specs = [(id, name, world_size, mesh, config, needs, "")]
     specs += [
-        (f"{id}-{o.suffix}", f"{name}_{o.suffix.lower()}_layout", o.world_size, o.mesh, o.config, o.needs, o.about)
+        (f"{id}-{o.suffix}", f"{name}_{o.suffix.lower()}_layout", o.world_size, o.mesh, o.config, o.needs,
+         o.about.format(id=id))  # fmt: skip
         for o in layouts
     ]
     for spec_id, _, ranks, spec_mesh, spec_config, spec_needs, _ in specs:

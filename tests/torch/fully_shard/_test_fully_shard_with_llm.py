@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.kit.judging.case import CaseContext, Layout, case
+from tests.kit.judging.case import HSDP_2X2, CaseContext, Layout, case
 from tests.kit.judging.determinism import Run, rerun_bitwise
 from tests.kit.judging.recorder import record_collectives
 from tests.kit.judging.reference import ddp_of
@@ -121,16 +121,7 @@ def llm_decoder_hsdp_vs_ddp(ctx: CaseContext) -> None:
     world_size=2,
     mesh={"dp": 2},
     config="FSDP 1D fp32",
-    layouts=(
-        Layout(
-            "HSDP",
-            world_size=4,
-            mesh={"replicate": 2, "shard": 2},
-            config="HSDP 2D fp32",
-            needs=("hsdp",),
-            about="L3-02 on its other mesh shape: HSDP (replicate 2 x shard 2) against DDP over the 4 ranks.",
-        ),
-    ),
+    layouts=(HSDP_2X2,),
 )
 def llm_decoder_fsdp_1d_vs_ddp(ctx: CaseContext) -> None:
     """The L3-01 decoder under 1-D FSDP over 2 ranks against DDP: step 0 and 1 loss, grad norm and
@@ -215,16 +206,7 @@ def _chunked_ce_trains_like_ddp(mesh: Any, tol: Tolerance) -> Run:
     world_size=2,
     mesh={"dp": 2},
     config="FSDP 1D fp32",
-    layouts=(
-        Layout(
-            "HSDP",
-            world_size=4,
-            mesh={"replicate": 2, "shard": 2},
-            config="HSDP 2D fp32",
-            needs=("hsdp",),
-            about="L3-05 on its other mesh shape: HSDP (replicate 2 x shard 2) against DDP over the 4 ranks.",
-        ),
-    ),
+    layouts=(HSDP_2X2,),
 )
 def chunked_ce_fsdp_vs_ddp(ctx: CaseContext) -> None:
     """2-layer decoder + vocab-32768 output under 1-D FSDP, cross entropy in chunks of 512 tokens:

@@ -8,13 +8,14 @@ the plan keeps whole (the ViT's patch embedding and head, the multimodal project
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.kit.judging.case import CaseContext, Layout, case
+from tests.kit.judging.case import HSDP_2X2, CaseContext, case
 from tests.kit.judging.determinism import Run, rerun_bitwise
 from tests.kit.judging.reference import ddp_of
 from tests.kit.judging.surface import impl
@@ -97,16 +98,7 @@ def _vit_trains_like_ddp(mesh: Any, tol: Tolerance) -> Run:
     mesh={"dp": 2},
     config="FSDP 1D fp32",
     needs=("replicate_params",),
-    layouts=(
-        Layout(
-            "HSDP",
-            world_size=4,
-            mesh={"replicate": 2, "shard": 2},
-            config="HSDP 2D fp32",
-            needs=("replicate_params", "hsdp"),
-            about="L3-04 on its other mesh shape: HSDP (replicate 2 x shard 2) against DDP over the 4 ranks.",
-        ),
-    ),
+    layouts=(dataclasses.replace(HSDP_2X2, needs=("replicate_params", "hsdp")),),
 )
 def vit_fsdp_vs_ddp(ctx: CaseContext) -> None:
     """ViT (patch embedding, CLS token, 6 pre-norm encoder blocks, head; hidden 256, image 224) under
@@ -177,16 +169,7 @@ def _multimodal_trains_like_ddp(mesh: Any, tol: Tolerance) -> Run:
     mesh={"dp": 2},
     config="FSDP 1D fp32",
     needs=("replicate_params",),
-    layouts=(
-        Layout(
-            "HSDP",
-            world_size=4,
-            mesh={"replicate": 2, "shard": 2},
-            config="HSDP 2D fp32",
-            needs=("replicate_params", "hsdp"),
-            about="L3-06 on its other mesh shape: HSDP (replicate 2 x shard 2) against DDP over the 4 ranks.",
-        ),
-    ),
+    layouts=(dataclasses.replace(HSDP_2X2, needs=("replicate_params", "hsdp")),),
 )
 def multimodal_deepstack_fsdp(ctx: CaseContext) -> None:
     """4-block ViT (hidden 128) -> 2-layer projection MLP (kept whole) -> 2-layer decoder (hidden 256),
