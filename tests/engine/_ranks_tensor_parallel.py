@@ -4,14 +4,17 @@ fusion on the other."""
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from tests.kit.judging.checks import StrictChecks
 from tests.kit.judging.recorder import CollectiveRecorder
 from tests.kit.judging.reference import ddp_of
 from tests.kit.judging.surface import impl
+from tests.kit.runtime.torch_compat import unflattened_mesh
 from tests.kit.workloads.models import FeedForwardStack, rank_batches
 from tests.kit.workloads.training import differs_across_ranks, shard_nested, square_mean, train_against
 
@@ -46,12 +49,12 @@ def tp_unfused_matches_ddp() -> None:
         checks.equal(f"step {step} reduce-scatters (one per param)", len(rec.of("reduce_scatter")), params)
 
 
-def _tp_on_a_slice_matches_ddp(dims: dict[str, int], dp_dims: tuple[str, ...]) -> None:
-    """Colwise/Rowwise blocks on the ``tp`` slice of a 3-D mesh, fully_shard over the ``dp_dims``
-    slice (one dim: FSDP, two: HSDP): each param a DTensor on the dp dims and ``tp`` together, and 3
-    SGD steps train like DDP over the 4 ranks."""
+def _tp_on_a_slice_matches_ddp(dims: dict[str, int], dp_dims: tuple[str, ...], unflattened: bool = False) -> None:
+    """Colwise/Rowwise blocks on the ``tp`` slice of a mesh, fully_shard over the ``dp_dims`` slice
+    (one dim: FSDP, two: HSDP): each param a DTensor on the dp dims and ``tp`` together, and 3 SGD
+    steps train like DDP over the 4 ranks. ``unflattened``: the mesh unflattened from the world's."""
     checks = StrictChecks("TP + FSDP fp32", **dims)
-    mesh = checks.mesh
+    mesh = unflattened_mesh(checks.mesh.device_type, dims) if unflattened else checks.mesh
     model = FeedForwardStack()
     ddp = ddp_of(model)
     for block in model.blocks:
@@ -75,3 +78,17 @@ def tp_on_a_3d_mesh_matches_ddp() -> None:
     ``test_2d_mlp_with_nd_mesh``), then HSDP over (replicate 2, shard 1) beside tp 2 (its 3-D one)."""
     _tp_on_a_slice_matches_ddp({"pp": 1, "dp": 2, "tp": 2}, ("dp",))
     _tp_on_a_slice_matches_ddp({"dp_replicate": 2, "dp_shard": 1, "tp": 2}, ("dp_replicate", "dp_shard"))
+
+
+def tp_on_an_unflattened_mesh_matches_ddp() -> None:
+    """TP and FSDP on dims unflattened from a 1-D world mesh, as torchtitan makes them (their root,
+    the world mesh, names neither dim): FSDP over ``dp`` beside ``tp``, then HSDP beside ``tp``."""
+    _tp_on_a_slice_matches_ddp({"dp": 2, "tp": 2}, ("dp",), unflattened=True)
+    _tp_on_a_slice_matches_ddp({"dp_replicate": 2, "dp_shard": 1, "tp": 2}, ("dp_replicate", "dp_shard"), True)
+
+
+def tp_on_a_3d_mesh_without_concatenate_matches_ddp() -> None:
+    """A release without ``DeviceMesh._concatenate``: the engine joins the dp and TP dims by name
+    from the mesh they were sliced from, and trains as on a release with it."""
+    with mock.patch.object(DeviceMesh, "_concatenate", None):
+        tp_on_a_3d_mesh_matches_ddp()

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from hyper_parallel.platform.torch.compat import root_mesh
+from hyper_parallel.platform.torch.compat import joined_mesh
 from hyper_parallel.platform.torch.fully_shard.mesh_info import MeshInfo, default_mesh, mesh_info_of
 from hyper_parallel.platform.torch.fully_shard.param import HSDPParam, ModuleSlot
 from hyper_parallel.platform.torch.fully_shard.param_group import HSDPParamGroup
@@ -175,29 +175,22 @@ def _check_shardable(name: str, param: nn.Parameter, is_replicated: bool) -> Non
 
 def _check_tensor_parallel_param(name: str, param: DTensor, mesh: DeviceMesh) -> None:
     """A DTensor param must come from tensor parallel on a 1-D TP mesh cut, like ``mesh`` (the dp
-    dims: FSDP's one, or HSDP's two), from one named mesh, where the dp dims precede the TP dim."""
+    dims: FSDP's one, or HSDP's two), from one mesh, as other dims of it."""
     problem = _tensor_parallel_problem(param.device_mesh, mesh)
     if problem:
         raise ValueError(f"parameter {name!r} is a DTensor on {param.device_mesh}: {problem}")
 
 
 def _tensor_parallel_problem(tp_mesh: DeviceMesh, mesh: DeviceMesh) -> str | None:
-    """Why a param tensor-parallel on ``tp_mesh`` cannot be sharded over ``mesh``, or None. The mesh
-    both were cut from is ``mesh``'s: a DTensor's own mesh may be an equal one cut from another."""
-    root = root_mesh(mesh)
+    """Why a param tensor-parallel on ``tp_mesh`` cannot be sharded over ``mesh``, or None."""
     if tp_mesh.ndim != 1:
         return "tensor parallel composes with fully_shard on a 1-D TP mesh"
-    if root.mesh_dim_names is None or mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+    if mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
         return "mesh and the TP mesh must be named dims of one DeviceMesh"
-    names = (*mesh.mesh_dim_names, *tp_mesh.mesh_dim_names)
-    if not set(names) <= set(root.mesh_dim_names) or len(set(names)) != len(names) or root[names[-1]] != tp_mesh:
-        return (
-            f"mesh {mesh.mesh_dim_names} and the TP mesh must be distinct dims of one mesh, "
-            f"got mesh's dims {root.mesh_dim_names}"
-        )
-    order = [root.mesh_dim_names.index(n) for n in names]
-    if order != sorted(order):
-        return f"mesh's dims {mesh.mesh_dim_names} must precede the TP dim in their mesh {root.mesh_dim_names}"
+    try:
+        joined_mesh([mesh, tp_mesh])
+    except ValueError as error:
+        return f"mesh {mesh.mesh_dim_names} and the TP mesh {tp_mesh.mesh_dim_names}: {error}"
     return None
 
 

@@ -5,6 +5,9 @@ same on torch 2.6 and on the newest.
 
 - ``root_mesh``: the mesh a sub-mesh was cut from (``DeviceMesh._get_root_mesh`` on new releases,
   ``device_mesh._mesh_resources.get_root_mesh`` on older ones).
+- ``joined_mesh``: one mesh of several meshes' dims, all cut from one mesh (FSDP's dp dims beside
+  TP's): ``DeviceMesh._concatenate`` where it exists (as torch FSDP2 joins them: meshes sliced from
+  one named mesh or unflattened from the world's, as torchtitan makes them), else the named dims of the mesh both were sliced from.
 - ``backend_averages``: whether a process group's backend reduces with ``ReduceOp.AVG`` (gloo gained
   it in torch 2.8; HCCL has none): a group whose backend lacks it reduces with SUM and divides.
 - ``accelerator_index``: the current accelerator's index (``torch.accelerator.current_device_index``
@@ -48,6 +51,28 @@ def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
         "a sub-mesh's parent mesh (tensor parallel beside fully_shard)",
         "DeviceMesh._get_root_mesh or device_mesh._mesh_resources.get_root_mesh",
     )
+
+
+def joined_mesh(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose dims are ``meshes``' named dims in order. ``ValueError`` (why) where they are not
+    distinct dims of one mesh; a release without ``DeviceMesh._concatenate`` also asks that they be
+    named dims of the mesh they were sliced from, in that mesh's order."""
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is not None:
+        try:
+            return concatenate(list(meshes))
+        except RuntimeError as error:  # other root meshes, or overlapping dims
+            raise ValueError(f"they must be distinct dims of one mesh ({error})") from error
+    root = root_mesh(meshes[0])
+    names = tuple(name for mesh in meshes for name in mesh.mesh_dim_names)
+    if root.mesh_dim_names is None or not set(names) <= set(root.mesh_dim_names) or len(set(names)) != len(names):
+        raise ValueError(f"they must be distinct dims of one mesh, got dims {names} of a mesh {root.mesh_dim_names}")
+    if root[meshes[-1].mesh_dim_names] != meshes[-1]:
+        raise ValueError(f"they must be dims of one mesh, {meshes[-1]} is not {root.mesh_dim_names}'s")
+    order = [root.mesh_dim_names.index(name) for name in names]
+    if order != sorted(order):
+        raise ValueError(f"dims {names} must follow their mesh's order {root.mesh_dim_names} (this torch)")
+    return root if root.mesh_dim_names == names else root[names]
 
 
 def accelerator_index() -> int:

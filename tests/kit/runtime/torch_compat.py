@@ -11,6 +11,9 @@ Which release takes which path (measured by ``make test-torch-matrix``, docs/tes
   where every run computes).
 - Functional collectives name their group by a string: ``distributed_c10d._resolve_process_group``.
 - ``ReduceOp.AVG``: gloo before torch 2.8 lacks it; the kit's own averages then SUM and divide.
+- Meshes unflattened from a 1-D world mesh (``DeviceMesh._unflatten``, torch 2.9+; torchtitan's
+  meshes): their root is the world mesh, which names none of their dims. Before it, the same dims
+  come from one named mesh.
 - ``torch.distributed.pipelining``: on gloo torch 2.9's first p2p of a schedule mismatches its
   sizes (gloo aborts) and torch 2.6 and 2.7's schedules leave p2p works unwaited (1F1B hangs);
   torch 2.6's schedules do not divide the grads by the microbatches. The PP case adapts all three,
@@ -131,6 +134,19 @@ def all_reduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
         return
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     tensor.div_(dist.get_world_size(group))
+
+
+def unflattened_mesh(device_type: str, dims: dict[str, int]) -> Any:
+    """A mesh of ``dims`` unflattened from a 1-D mesh over the world, as torchtitan makes its meshes
+    (a release without ``DeviceMesh._unflatten``: ``dims`` as one named mesh, its only way)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sizes, names = tuple(dims.values()), tuple(dims)
+    world = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("world",))
+    unflatten = getattr(world, "_unflatten", None)
+    if unflatten is None:
+        return init_device_mesh(device_type, sizes, mesh_dim_names=names)
+    return unflatten(0, sizes, names)
 
 
 # -- torch.distributed.pipelining on gloo ------------------------------------------------------

@@ -11,7 +11,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate
 
-from ..compat import backend_averages, root_mesh
+from ..compat import backend_averages, joined_mesh
 from ..device import current_device, default_device_type
 
 
@@ -90,8 +90,5 @@ def mesh_info_of(mesh: DeviceMesh) -> MeshInfo:
 
 def with_tensor_parallel(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     """The mesh of a param sharded over ``dp_mesh`` whose TP-local tensor is ``tp_mesh``'s: their dims,
-    dp's first, cut from the mesh both were cut from (FSDP2's 2-D or, under HSDP, 3-D layout): ``dp_mesh``'s,
-    since a DTensor's own mesh may be an equal one cut from another (torch caches specs by value)."""
-    root = root_mesh(dp_mesh)
-    names = (*dp_mesh.mesh_dim_names, *tp_mesh.mesh_dim_names)
-    return root if root.mesh_dim_names == names else root[names]
+    dp's first (FSDP2's 2-D or, under HSDP, 3-D layout), however the two were cut from one mesh."""
+    return joined_mesh([dp_mesh, tp_mesh])
