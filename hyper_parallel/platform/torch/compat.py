@@ -7,7 +7,8 @@ same on torch 2.6 and on the newest.
   ``device_mesh._mesh_resources.get_root_mesh`` on older ones).
 - ``joined_mesh``: one mesh of several meshes' dims, all cut from one mesh (FSDP's dp dims beside
   TP's): ``DeviceMesh._concatenate`` where it exists (as torch FSDP2 joins them: meshes sliced from
-  one named mesh or unflattened from the world's, as torchtitan makes them), else the named dims of the mesh both were sliced from.
+  one named mesh or unflattened from the world's, as torchtitan makes them), else the named dims of
+  the mesh both were sliced from.
 - ``backend_averages``: whether a process group's backend reduces with ``ReduceOp.AVG`` (gloo gained
   it in torch 2.8; HCCL has none): a group whose backend lacks it reduces with SUM and divides.
 - ``accelerator_index``: the current accelerator's index (``torch.accelerator.current_device_index``
