@@ -4,7 +4,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup sweep bench test test-slow lint notebooks mutants conformance explore device-check test-torch test-torch-matrix
+.PHONY: setup sweep bench test test-slow lint notebooks mutants conformance trainers explore device-check test-torch test-torch-matrix
 .DEFAULT_GOAL := test
 
 # torch 2.13.0 is pinned (constraints.txt): it is the CPU build on local disk.
@@ -26,6 +26,13 @@ notebooks: setup
 conformance: setup
 	IPP_NONINTERACTIVE=1 $(PYTHON) -m tests.kit.front.conformance --implementation ours= --implementation fsdp2=torch \
 		$(if $(UPSTREAM),--implementation upstream=upstream:$(UPSTREAM))
+
+# A real trainer as a judge (never in `make test` or .ci/run; installs torchtitan and Lightning into
+# .venvs/trainers): TRAINER=torchtitan (default) or lightning; ours against torch FSDP2 (and upstream
+# where UPSTREAM=/path/to/hyper-parallel): runs/trainers-<time>/
+trainers: setup
+	$(PYTHON) -m tools.trainers $(or $(TRAINER),torchtitan) --implementation ours= \
+		$(if $(UPSTREAM),--implementation upstream=upstream:$(UPSTREAM)) $(if $(CONFIGS),--configs "$(CONFIGS)")
 
 # Mutation harness (never in `make test` or .ci/run): ONLY=03,07  SUITE=cases|engine|both  CASES=L1-03,L0-06
 mutants:

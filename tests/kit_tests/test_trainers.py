@@ -3,12 +3,17 @@ and the attention shim's numerics (its trainer runs are never part of ``make tes
 
 from __future__ import annotations
 
+import copy
+import io
+
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from tools.trainers.__main__ import CONFIGS, page
-from tools.trainers.compare import compare, owed
-from tools.trainers.rank import SHIMS, masked_sdpa
+from tests.kit.judging.tolerances import Tolerance
+from tools.trainers.__main__ import CONFIGS, TRAINERS, collectives_text, cost_text, page
+from tools.trainers.checkpoints import differences, flat
+from tools.trainers.compare import after, compare, cost, first_error, owed
+from tools.trainers.rank import SHIMS, _step_taking_microbatches, masked_sdpa
 
 REFERENCE = [{"step": s, "loss": 8.0 - 0.1 * s, "grad_norm": 0.8 + 0.01 * s} for s in (1, 2, 3)]
 
@@ -24,14 +29,49 @@ def test_a_last_digit_difference_is_found_at_its_step():
                                                   torch.tensor(2.0, dtype=torch.float64)))  # fmt: skip
     result = compare(REFERENCE, steps, None)
     assert result.verdict == "DIFFERS" and result.first_difference == 2 and owed(result)
-    close = compare(REFERENCE, steps, 1e-6)
+    close = compare(REFERENCE, steps, Tolerance(loss=0.0, grad=1e-6))
     assert close.verdict == "CLOSE" and close.first_difference == 2 and not owed(close)
+    assert compare(REFERENCE, steps, Tolerance(loss=1e-6, grad=0.0)).verdict == "DIFFERS"  # each its own tol
 
 
 def test_a_run_that_stopped_early_is_incomplete():
     result = compare(REFERENCE, REFERENCE[:2], None)
     assert result.verdict == "INCOMPLETE" and owed(result)
     assert compare([], [], None).verdict == "INCOMPLETE"
+
+
+def test_a_resumed_run_is_compared_with_the_reference_past_the_checkpoint():
+    resumed = [dict(s) for s in REFERENCE[1:]]
+    assert compare(after(REFERENCE, 1), resumed, None).verdict == "BITWISE"
+    assert compare(REFERENCE, resumed, None).verdict == "INCOMPLETE"
+
+
+def test_a_runs_cost_is_its_median_step_time_and_peak_rss():
+    steps = [{"time": t, "rss_mib": r} for t, r in ((10.0, 500.0), (11.0, 700.0), (14.0, 650.0), (15.5, 690.0))]
+    spent = cost(steps)
+    assert spent.step_seconds == 1.5 and spent.peak_rss_mib == 700.0
+    assert cost(steps[:1]).step_seconds is None and cost([]).peak_rss_mib is None
+    reference = {"step_seconds": 1.0, "peak_rss_mib": 700.0}
+    shown = cost_text({"step_seconds": spent.step_seconds, "peak_rss_mib": 350.0}, reference)
+    assert shown == "1.50 s a step (1.50x), 350 MiB peak RSS (0.50x)"
+    assert cost_text(reference, reference) == "1.00 s a step, 700 MiB peak RSS"
+
+
+def test_checkpoints_are_compared_entry_for_entry_bit_for_bit():
+    saved = {"model": {"w": torch.tensor([0.0, 1.5]), "b": torch.ones(2, dtype=torch.bfloat16)},
+             "optimizer": {"state": [{"step": torch.tensor(5.0)}]}, "train_state": {"step": 5},
+             "dataloader": io.BytesIO(b"position 40")}  # fmt: skip
+    a = flat(saved)
+    assert set(a) == {"model.w", "model.b", "optimizer.state.0.step", "train_state.step", "dataloader"}
+    assert differences(a, flat(copy.deepcopy(saved))) == []
+    b = flat(copy.deepcopy(saved))
+    b["model.w"] = torch.tensor([-0.0, 1.5])  # equal as numbers, not as bits
+    b["model.b"] = torch.ones(2)  # another dtype
+    b["dataloader"] = io.BytesIO(b"position 41")
+    del b["train_state.step"]
+    b["extra"] = 1
+    assert differences(a, b) == ["only in the first: train_state.step", "only in the second: extra",
+                                 "differs: dataloader", "differs: model.b", "differs: model.w"]  # fmt: skip
 
 
 def test_the_page_shows_every_configuration_verdict_and_shim():
@@ -55,3 +95,77 @@ def test_the_attention_shim_computes_flex_attentions_forward():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     unmasked, _ = masked_sdpa(q, k, v)
     assert not torch.allclose(unmasked, want, atol=1e-3)  # the mask is what makes them agree
+
+
+class _Stage:
+    def __init__(self, is_last: bool) -> None:
+        self.is_last, self.has_backward, self.cleared, self.output_chunks = is_last, None, 0, [f"out {is_last}"]
+
+    def clear_runtime_states(self) -> None:
+        self.cleared += 1
+
+
+class _Schedule:
+    """A pipeline schedule's surface as torch 2.13's step uses it."""
+
+    _has_backward = True
+
+    def __init__(self) -> None:
+        self._stages = [_Stage(False), _Stage(True)]
+        self.ran: list[tuple] = []
+
+    def step(self, *args, target=None, losses=None, return_outputs=True, loss_kwargs=None, **kwargs):
+        return ("whole batch", args, target, kwargs)
+
+    def _step_microbatches(self, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=None):
+        self.ran.append((arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs))
+
+    def _merge_outputs(self, chunks):
+        return ("merged", chunks)
+
+
+def test_a_pipeline_step_given_microbatches_runs_them_as_cut():
+    """torchtitan's ready-cut microbatches reach the schedule's microbatch runner as they are, after
+    the stages are prepared as torch's step prepares them; a whole batch still takes torch's step."""
+    schedule = _Schedule()
+    step = _step_taking_microbatches(_Schedule.step)
+    arg_mbs, kwarg_mbs, target_mbs, losses = [(1,), (2,)], [{}, {}], ["t1", "t2"], []
+    result = step(schedule, arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs, losses=losses,
+                  return_outputs=False, loss_kwargs={"n": 3})  # fmt: skip
+    assert result is None and schedule.ran == [(arg_mbs, kwarg_mbs, target_mbs, losses, False, {"n": 3})]
+    assert all(stage.cleared == 1 and stage.has_backward is True for stage in schedule._stages)
+    assert step(schedule, kwarg_mbs=kwarg_mbs, return_outputs=True) == ("merged", ["out True"])
+    assert step(schedule, "batch", target="t") == ("whole batch", ("batch",), "t", {})
+
+
+def test_a_runs_collectives_are_shown_from_its_last_step():
+    entry = {"steps": [{"step": 1, "collectives": {"all_gather": 9}}, {"step": 2, "collectives": {"all_gather": 8,
+             "reduce_scatter": 4}}]}  # fmt: skip
+    assert collectives_text(entry) == "last step's collectives: all_gather 8, reduce_scatter 4"
+    assert collectives_text({"steps": [{"step": 1}]}) == ""
+
+
+def test_every_configuration_can_be_named_on_the_command_line():
+    """``--configs`` is comma-separated: a name with a comma could never be chosen alone."""
+    assert not [name for rows in TRAINERS.values() for name in rows if "," in name]
+    assert {config.launch for config in TRAINERS["lightning"].values()} == {"lightning"}
+    assert {config.launch for config in TRAINERS["torchtitan"].values()} == {"torchtitan"}
+
+
+def test_the_page_names_the_trainer_that_ran():
+    results = {"trainer": "pytorch-lightning==2.6.6", "implementations": {}, "shims": [], "fsdp2_needs": [],
+               "steps": 5, "torch": "2.13.0", "configs": {}}  # fmt: skip
+    shown = page(results)
+    assert "<h1>pytorch-lightning 2.6.6:" in shown and "torchtitan" not in shown
+
+
+def test_a_failed_runs_first_exception_is_found_in_its_log():
+    log = "\n".join([
+        "[titan] 2026-12-05 13:02:44,474 - root - WARNING - Error running lspci: no such file",
+        "[rank1]: Traceback (most recent call last):",
+        "[rank1]: AttributeError: 'DeviceMesh' object has no attribute 'mesh_shape'",
+        "[rank0]: AttributeError: 'DeviceMesh' object has no attribute 'mesh_shape'",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+    ])  # fmt: skip
+    assert first_error(log) == "AttributeError: 'DeviceMesh' object has no attribute 'mesh_shape'"
+    assert first_error("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \nstep 1") == ""
