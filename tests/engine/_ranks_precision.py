@@ -158,3 +158,22 @@ def ignored_params_never_cast() -> None:
     checks.equal("its grad dtype", str(grad.dtype), str(torch.float32))
     for name, param in named_params(model.mlp).items():
         checks.true(f"mlp.{name} sharded", impl.is_sharded(param))
+
+
+def first_grad_kept_in_compute_dtype() -> None:
+    """bf16 compute, fp32 reduce: a grad held back unreduced stays bf16 until a second one is added
+    (then fp32, the reduce dtype); the reduction casts it as it copies it into its fp32 buffer, so
+    no fp32 copy of a bf16 grad lives beside that buffer."""
+    from hyper_parallel.platform.torch.fully_shard.state import state_of
+
+    checks = StrictChecks(BF16)
+    model = MLP(DIMS)
+    policy = impl.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    shard_nested(model, model.layers, mesh=checks.mesh, mp_policy=policy)
+    groups = [state.param_group for m in model.modules() if (state := state_of(m)) is not None and state.param_group]
+    params = [param for group in groups for param in group.params]
+    model.set_requires_gradient_sync(False)
+    for micro, want in enumerate((torch.bfloat16, torch.float32)):
+        model(rank_batch(micro, checks.rank, (4, DIMS[0]))).sum().backward()
+        held = sorted({str(p.unreduced_grad.dtype) for p in params if p.unreduced_grad is not None})
+        checks.equal(f"micro-batch {micro}: dtypes of the grads held back", str(held), str([str(want)]))

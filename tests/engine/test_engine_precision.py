@@ -28,3 +28,8 @@ def test_mixed_precision_accumulation_unreduced(cluster):
 def test_ignored_params_never_cast(cluster):
     """An ignored param stays plain fp32 under a bf16 policy; no plan case covers it (L1-06 has no policy)."""
     cluster.run(ranks.ignored_params_never_cast, 2)
+
+
+def test_a_first_grad_held_back_stays_in_the_compute_dtype(cluster):
+    """bf16/fp32: a first unreduced grad is not cast before its reduction copies it; a second is added in fp32."""
+    cluster.run(ranks.first_grad_kept_in_compute_dtype, 2)

@@ -252,8 +252,10 @@ MUTANTS: tuple[Mutant, ...] = (
         PARAM,
         "mixed precision accumulation",
         "unsynced grads accumulate in the compute dtype instead of the reduce dtype",
-        "            self.unreduced_grad = grad if grad.dtype == self.reduce_dtype else grad.to(self.reduce_dtype)\n",
-        "            self.unreduced_grad = grad\n",
+        "        if self.unreduced_grad.dtype != self.reduce_dtype:\n"
+        "            self.unreduced_grad = self.unreduced_grad.to(self.reduce_dtype)\n"
+        "        self.unreduced_grad.add_(grad)\n",
+        "        self.unreduced_grad.add_(grad)\n",
     ),
     Mutant(
         "18",

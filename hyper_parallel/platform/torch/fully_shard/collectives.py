@@ -349,7 +349,7 @@ def start_reduction(
     if mesh_info.shard_size == 1 and not replicas and settings.all_reduce_hook is None:
         # one rank, and nothing that sees a flat buffer (an all-reduce over replicas, the user's hook)
         arithmetic = {dtype: settings.arithmetic(ranks, dtype, mesh_info.averages) for dtype in _dtypes(params)}
-        reduction.alone = [(p, p.unreduced_grad, arithmetic[p.reduce_dtype]) for p in params]
+        reduction.alone = [(p, p.unreduced_in_reduce_dtype(), arithmetic[p.reduce_dtype]) for p in params]
     else:
         _start_collectives(reduction, params, fused, ranks, reduce_scatter_group)
     for param in params:
@@ -404,12 +404,12 @@ def _start_reduce_scatter(params: list[HSDPParam], group: ProcessGroup, arithmet
     total = sum(p.layout.padded_numel for p in params)
     single = params[0]
     grad = single.unreduced_grad
-    if len(params) == 1 and single.layout.rank_major and grad.is_contiguous():
-        send = grad.view(-1)  # already laid out rank after rank: no copy
+    if len(params) == 1 and single.layout.rank_major and grad.is_contiguous() and grad.dtype == dtype:
+        send = grad.view(-1)  # already laid out rank after rank, in the reduce dtype: no copy
     else:
         send = torch.empty(world, total, dtype=dtype, device=device)
         offset = 0
-        for param in params:
+        for param in params:  # the copy casts a grad still in its own dtype
             numel = param.layout.padded_numel
             param.copy_grad_into(send[:, offset : offset + numel], param.unreduced_grad)
             offset += numel
@@ -424,9 +424,9 @@ def _start_reduce_scatter(params: list[HSDPParam], group: ProcessGroup, arithmet
 
 def _start_all_reduce(params: list[HSDPParam], group: ProcessGroup, arithmetic: Arithmetic) -> Piece:
     if len(params) == 1:
-        flat = params[0].unreduced_grad.contiguous().view(-1)
+        flat = params[0].unreduced_in_reduce_dtype().contiguous().view(-1)
     else:
-        flat = torch.cat([p.unreduced_grad.reshape(-1) for p in params])
+        flat = torch.cat([p.unreduced_in_reduce_dtype().reshape(-1) for p in params])
     _before_collective(flat, arithmetic)
     if group.size() == 1:
         return Piece(params, flat, None, arithmetic)

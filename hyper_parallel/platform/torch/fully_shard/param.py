@@ -364,8 +364,10 @@ class HSDPParam:
     def take_unsharded_grad(self) -> None:
         """Move autograd's grad off the unsharded param into the unreduced accumulator.
 
-        Accumulation happens in the reduce dtype, so bf16 compute with fp32 reduction
-        accumulates micro-batches in fp32.
+        A first grad is kept in its own dtype: the reduction casts it as it copies it into its
+        buffer, so a bf16 grad never has an fp32 copy beside that buffer (FSDP2's peak). A second
+        one (no-sync micro-batches) is added in the reduce dtype, so bf16 compute with fp32
+        reduction accumulates in fp32.
         """
         grad = self.unsharded_param.grad
         if grad is None:
@@ -376,9 +378,16 @@ class HSDPParam:
                 grad = grad.redistribute(self.tp_mesh, self.tp_placements)  # e.g. Partial -> Replicate
             grad = grad._local_tensor
         if self.unreduced_grad is None:
-            self.unreduced_grad = grad if grad.dtype == self.reduce_dtype else grad.to(self.reduce_dtype)
-        else:
-            self.unreduced_grad.add_(grad)
+            self.unreduced_grad = grad
+            return
+        if self.unreduced_grad.dtype != self.reduce_dtype:
+            self.unreduced_grad = self.unreduced_grad.to(self.reduce_dtype)
+        self.unreduced_grad.add_(grad)
+
+    def unreduced_in_reduce_dtype(self) -> torch.Tensor:
+        """The unreduced grad in the reduce dtype (a cast copy where it is still in its own)."""
+        grad = self.unreduced_grad
+        return grad if grad.dtype == self.reduce_dtype else grad.to(self.reduce_dtype)
 
     def give_zero_grad_if_unused(self) -> None:
         """``set_reduce_scatter_unused_params``: a param backward gave no grad on this rank reduces
