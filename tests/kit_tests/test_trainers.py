@@ -75,11 +75,14 @@ def test_checkpoints_are_compared_entry_for_entry_bit_for_bit():
 
 
 def test_the_page_shows_every_configuration_verdict_and_shim():
-    runs = {"torch": {"exit": 0, "steps": REFERENCE}, "ours": {"exit": 0, "verdict": "BITWISE", "detail": ""}}
+    runs = {"torch": {"exit": 0, "steps": REFERENCE, "ranks": 4, "steps_asked": 5, "log": "c0/torch/log.txt",
+                      "note": "read api.md"},
+            "ours": {"exit": 0, "verdict": "BITWISE", "detail": "", "log": "c0/ours/log.txt"}}  # fmt: skip
     results = {"implementations": {"ours": ""}, "shims": list(SHIMS), "fsdp2_needs": ["force-sum"], "steps": 5,
                "torch": "2.13.0", "configs": {name: runs for name in CONFIGS}}  # fmt: skip
     shown = page(results)
-    assert "5 steps each" in shown and "torch 2.13.0" in shown and "#dff5df" in shown
+    assert "4 ranks, 5 steps" in shown and "torch 2.13.0" in shown and "#dff5df" in shown
+    assert "<a href='c0/ours/log.txt'>log</a>" in shown and "<em>read api.md</em>" in shown
     assert all(name.split(" (")[0] in shown for name in CONFIGS)
     assert shown.count("BITWISE") == len(CONFIGS) and shown.count("reference") == len(CONFIGS)
     assert all(shim.split(":")[0] in shown for shim in SHIMS) and "force-sum" in shown

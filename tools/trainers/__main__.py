@@ -46,6 +46,7 @@ class Config:
     # the precision-matrix row judging an implementation other than ours (ours: bitwise is owed)
     row: str = "FSDP 1D bf16"
     launch: str = "torchtitan"  # or "lightning": lightning_rank.py with ``args``
+    note: str = ""  # what a reader of the row should know, shown under its name
 
 
 def _degrees(**degrees: int) -> tuple[str, ...]:
@@ -71,6 +72,8 @@ CONFIGS: dict[str, Config] = {
         ranks=4,
         collectives=True,
         record_rank=2,
+        note="torch's pipelining steers only its own FSDPModule: what ours gets there is in "
+        "docs/api.md#under-a-pipeline-schedule",
     ),
     # context parallel splits the sequence into 2 x CP blocks of flex attention's 128
     "FSDP 2 x CP 2": Config(
@@ -242,18 +245,24 @@ def page(results: dict) -> str:
     names = list(results["implementations"])
     rows = []
     for config, runs in results["configs"].items():
-        cells = [f"<td>{html.escape(config)}</td>"]
+        reference = runs["torch"]
+        shape = f"{reference['ranks']} ranks, {reference['steps_asked']} steps" if "ranks" in reference else ""
+        note = reference.get("note", "")
+        about_row = html.escape(shape) + (f"<br><em>{html.escape(note)}</em>" if note else "")
+        cells = [f"<td>{html.escape(config)}<br><small>{about_row}</small></td>"]
         for name in ["torch", *names]:
             entry = runs[name]
             failed_reference = f"exit {entry['exit']}: {entry.get('error') or 'see its log'}"
             shown = entry.get("verdict", "reference" if entry["exit"] == 0 else failed_reference)
             colour = COLOURS.get(shown.split()[0], "#fce4e4")
             spent = "; ".join(filter(None, (cost_text(entry, runs["torch"]), collectives_text(entry))))
-            text = f"{html.escape(shown)} {html.escape(entry.get('detail', ''))}<br><small>{html.escape(spent)}</small>"
+            log = f" <a href='{html.escape(entry['log'])}'>log</a>" if "log" in entry else ""
+            verdict = f"{html.escape(shown)} {html.escape(entry.get('detail', ''))}"
+            text = f"{verdict}<br><small>{html.escape(spent)}{log}</small>"
             cells.append(f"<td style='background:{colour}'>{text}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
     head = "".join(f"<th>{html.escape(n)}</th>" for n in ["configuration", "torch FSDP2", *names])
-    about = f"{results.get('steps', '?')} steps each, seeded, torch {results.get('torch', '?')}, gloo"
+    about = f"seeded, torch {results.get('torch', '?')}, gloo"
     shims = "".join(f"<li>{html.escape(s)}</li>" for s in results["shims"])
     needs = "".join(f"<li>{html.escape(s)}</li>" for s in results["fsdp2_needs"])
     return (
@@ -301,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         runs = {"torch": run(python, "torch", config, folder / "torch", assets, steps)}
         for name, spec in implementations.items():
             runs[name] = judged(python, config, folder, name, spec, assets, runs["torch"], steps)
+        for name, entry in runs.items():
+            entry["log"] = f"{folder.name}/{name}/log.txt"  # the page's link, relative to it
+            entry["ranks"], entry["steps_asked"], entry["note"] = config.ranks, steps, config.note
             failed |= runs[name]["verdict"] not in ("BITWISE", "CLOSE") and runs["torch"]["exit"] == 0
             print(f"[{config_name}] {name}: {runs[name]['verdict']} {runs[name]['detail']}", flush=True)
         results["configs"][config_name] = runs
