@@ -172,3 +172,34 @@ def test_a_failed_runs_first_exception_is_found_in_its_log():
     ])  # fmt: skip
     assert first_error(log) == "AttributeError: 'DeviceMesh' object has no attribute 'mesh_shape'"
     assert first_error("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \nstep 1") == ""
+
+
+def test_the_command_judges_each_row_writes_its_page_and_exits_1_on_a_difference(tmp_path, monkeypatch):
+    """``main`` end to end with the trainer runs faked: one implementation equal to FSDP2, one that
+    differs at step 2; the page and JSON name both, with each run's log, and the exit status is 1."""
+    import json
+
+    import tools.trainers.__main__ as command
+
+    def fake_run(python, spec, config, out, assets, steps, resume_from=None):
+        steps_run = [dict(s) for s in REFERENCE]
+        if spec.startswith("native:"):  # the broken checkout
+            steps_run[1]["loss"] += 0.5
+        return {"exit": 0, "seconds": 1.0, "steps": steps_run, "step_seconds": 1.0, "peak_rss_mib": 500.0, "error": ""}
+
+    monkeypatch.setattr(command, "run", fake_run)
+    monkeypatch.setattr(command, "ensure_venv", lambda: tmp_path / "python")
+    monkeypatch.setattr(command, "_torch_of", lambda python: "2.13.0")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    status = command.main(["lightning", "--implementation", "ours=", "--implementation", f"broken=native:{broken}",
+                           "--configs", "fp32", "--out", str(tmp_path / "out")])  # fmt: skip
+    assert status == 1
+    results = json.loads((tmp_path / "out" / "trainers.json").read_text())
+    runs = results["configs"]["fp32"]
+    assert runs["ours"]["verdict"] == "BITWISE" and runs["broken"]["verdict"] == "DIFFERS"
+    assert runs["broken"]["log"] == "c0/broken/log.txt" and runs["torch"]["ranks"] == 2
+    shown = (tmp_path / "out" / "index.html").read_text()
+    assert "pytorch-lightning 2.6.6" in shown and "first at step 2" in shown
+    alone = ["lightning", "--implementation", "ours=", "--configs", "fp32", "--out", str(tmp_path / "o2")]
+    assert command.main(alone) == 0

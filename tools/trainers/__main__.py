@@ -298,23 +298,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--configs: unknown {unknown}; {args.trainer}'s: {list(rows)}")
     out = Path(args.out or REPO / "runs" / f"trainers-{time.strftime('%Y%m%d-%H%M%S')}")
     python = ensure_venv()
-    assets = prepared_assets(python)
     titan = args.trainer == "torchtitan"
+    assets = prepared_assets(python) if titan else (Path(), Path())  # Lightning's data is the kit's
     results: dict = {"trainer": TORCHTITAN if titan else LIGHTNING, "implementations": implementations,
                      "shims": list(SHIMS) if titan else [], "fsdp2_needs": list(FSDP2_NEEDS) if titan else [],
                      "steps": args.steps, "torch": _torch_of(python), "configs": {}}  # fmt: skip
     failed = False
+    out.mkdir(parents=True, exist_ok=True)
     for number, config_name in enumerate(configs):
         config, folder = rows[config_name], out / f"c{number}"
         steps = config.steps or args.steps
         runs = {"torch": run(python, "torch", config, folder / "torch", assets, steps)}
         for name, spec in implementations.items():
             runs[name] = judged(python, config, folder, name, spec, assets, runs["torch"], steps)
+            failed |= runs[name]["verdict"] not in ("BITWISE", "CLOSE") and runs["torch"]["exit"] == 0
+            print(f"[{config_name}] {name}: {runs[name]['verdict']} {runs[name]['detail']}", flush=True)
         for name, entry in runs.items():
             entry["log"] = f"{folder.name}/{name}/log.txt"  # the page's link, relative to it
             entry["ranks"], entry["steps_asked"], entry["note"] = config.ranks, steps, config.note
-            failed |= runs[name]["verdict"] not in ("BITWISE", "CLOSE") and runs["torch"]["exit"] == 0
-            print(f"[{config_name}] {name}: {runs[name]['verdict']} {runs[name]['detail']}", flush=True)
         results["configs"][config_name] = runs
         (out / "trainers.json").write_text(json.dumps(results, indent=1))
         (out / "index.html").write_text(page(results))
