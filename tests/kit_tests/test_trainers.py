@@ -12,7 +12,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from tests.kit.judging.tolerances import Tolerance
 from tools.trainers.__main__ import CONFIGS, TRAINERS, collectives_text, cost_text, page
 from tools.trainers.checkpoints import differences, flat
-from tools.trainers.compare import after, compare, cost, first_error, owed
+from tools.trainers.compare import after, compare, cost, first_error, owed, validation_difference
 from tools.trainers.rank import SHIMS, _step_taking_microbatches, masked_sdpa
 
 REFERENCE = [{"step": s, "loss": 8.0 - 0.1 * s, "grad_norm": 0.8 + 0.01 * s} for s in (1, 2, 3)]
@@ -203,3 +203,13 @@ def test_the_command_judges_each_row_writes_its_page_and_exits_1_on_a_difference
     assert "pytorch-lightning 2.6.6" in shown and "first at step 2" in shown
     alone = ["lightning", "--implementation", "ours=", "--configs", "fp32", "--out", str(tmp_path / "o2")]
     assert command.main(alone) == 0
+
+
+def test_validation_losses_are_compared_after_the_same_steps():
+    reference = [{"validation_at": 2, "loss": 7.5}, {"validation_at": 4, "loss": 7.25}]
+    assert validation_difference(reference, [dict(v) for v in reference], None) == ""
+    off = [dict(v) for v in reference]
+    off[1]["loss"] = 7.2500001
+    assert validation_difference(reference, off, None) == "validation loss after step 4 off by 1e-07"
+    assert validation_difference(reference, off, Tolerance(loss=1e-6, grad=0.0)) == ""
+    assert "after steps [2]" in validation_difference(reference, reference[:1], None)

@@ -23,7 +23,16 @@ from pathlib import Path
 from tests.kit.judging.surface import parse_implementations, parse_spec
 from tests.kit.judging.tolerances import Tolerance, tolerance
 from tools.trainers.assets import REPO
-from tools.trainers.compare import after, compare, cost, first_error, owed, read_steps
+from tools.trainers.compare import (
+    after,
+    compare,
+    cost,
+    first_error,
+    owed,
+    read_steps,
+    read_validations,
+    validation_difference,
+)
 from tools.trainers.rank import SHIMS
 
 TORCHTITAN = "torchtitan==0.3.0"
@@ -61,6 +70,19 @@ CONFIGS: dict[str, Config] = {
     "2 micro-batches accumulated": Config(("--training.global_batch_size", "8")),
     "reshard after forward: never": Config(("--parallelism.fsdp_reshard_after_forward", "never")),
     "reshard after forward: always": Config(("--parallelism.fsdp_reshard_after_forward", "always")),
+    "validation every 2 steps": Config(
+        (
+            "--validator.enable",
+            "--validator.freq",
+            "2",
+            "--validator.steps",
+            "2",
+            "--validator.dataloader.dataset",
+            "c4_test",
+            "--validator.dataloader.dataset_path",
+            "{dataset}",
+        )
+    ),  # fmt: skip
     "full AC": Config(("activation-checkpoint:full",)),
     "no AC": Config(("activation-checkpoint:none",)),
     "HSDP 2 x 1": Config(_degrees(data_parallel_replicate=2, data_parallel_shard=1)),
@@ -143,7 +165,8 @@ def run(python: Path, spec: str, config: Config, out: Path, assets: tuple[Path, 
             "--hf_assets_path", str(tokenizer), "--dataloader.dataset_path", str(dataset),
             "--training.steps", str(steps), "--training.local_batch_size", "2", "--training.seq_len", "128",
             "--parallelism.spmd_backend", "partial_dtensor", "--debug.seed", "0", "--dump_folder", str(out),
-            "--checkpoint.no-enable", "--validator.no-enable", "--metrics.log_freq", "1", *config.args,
+            "--checkpoint.no-enable", "--validator.no-enable", "--metrics.log_freq", "1",
+            *(arg.replace("{dataset}", str(dataset)) for arg in config.args),
         ]  # fmt: skip
     env = {**os.environ, "TRAINER_IMPLEMENTATION": spec, "TRAINER_RECORD": str(record), "TRAINER_REPO": str(REPO),
            "OMP_NUM_THREADS": "1", "TRAINER_RECORD_RANK": str(config.record_rank),
@@ -155,7 +178,8 @@ def run(python: Path, spec: str, config: Config, out: Path, assets: tuple[Path, 
     spent = cost(steps_run)
     error = first_error((out / "log.txt").read_text(errors="replace")) if done.returncode else ""
     return {"exit": done.returncode, "seconds": round(time.monotonic() - started, 1), "steps": steps_run,
-            "step_seconds": spent.step_seconds, "peak_rss_mib": spent.peak_rss_mib, "error": error}  # fmt: skip
+            "step_seconds": spent.step_seconds, "peak_rss_mib": spent.peak_rss_mib, "error": error,
+            "validations": read_validations(record)}  # fmt: skip
 
 
 def checkpoint_report(python: Path, first: Path, second: Path) -> dict:
@@ -201,8 +225,14 @@ def judged(python: Path, config: Config, folder: Path, name: str, spec: str, ass
            reference: dict, steps: int) -> dict:  # fmt: skip
     """``name``'s run of one configuration with its verdict against torch FSDP2's ``reference``."""
     entry = run(python, spec, config, folder / name, assets, steps)
-    verdict = compare(reference["steps"], entry["steps"], _tolerance_for(spec, config))
+    tol = _tolerance_for(spec, config)
+    verdict = compare(reference["steps"], entry["steps"], tol)
     entry.update(verdict=verdict.verdict, detail=verdict.detail)
+    validation = validation_difference(reference.get("validations", []), entry.get("validations", []), tol)
+    if validation and not owed(verdict):
+        entry.update(verdict="DIFFERS", detail=validation)
+    elif reference.get("validations") and not owed(verdict):
+        entry["detail"] = f"{verdict.detail} {len(entry['validations'])} validations equal".strip()
     if entry["exit"] and verdict.verdict != "BITWISE":
         entry["detail"] = f"{verdict.detail}; exit {entry['exit']}: {entry['error'] or 'see its log'}"
     if config is CONFIGS[CHECKPOINTED] and not owed(verdict):

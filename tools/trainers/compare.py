@@ -13,11 +13,33 @@ from tests.kit.judging.tolerances import Tolerance
 Step = dict  # {"step": int, "loss": float, "grad_norm": float}
 
 
-def read_steps(path: Path) -> list[Step]:
-    """The steps a rank-0 record holds, in order (one JSON object a line)."""
+def _records(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_steps(path: Path) -> list[Step]:
+    """The training steps a run's record holds, in order (one JSON object a line)."""
+    return [record for record in _records(path) if "step" in record]
+
+
+def read_validations(path: Path) -> list[dict]:
+    """The validations a run's record holds, in order: ``{"validation_at": step, "loss": x}``."""
+    return [record for record in _records(path) if "validation_at" in record]
+
+
+def validation_difference(reference: list[dict], validations: list[dict], tol: Tolerance | None) -> str:
+    """Where a run's validation losses first differ from the reference's ('' where they agree:
+    bitwise, or within ``tol``'s loss tolerance when one is given)."""
+    got, want = [v["validation_at"] for v in validations], [v["validation_at"] for v in reference]
+    if got != want:
+        return f"validations after steps {got} against the reference's {want}"
+    for ours, theirs in zip(validations, reference, strict=True):
+        error = abs(ours["loss"] - theirs["loss"])
+        if ours["loss"] != theirs["loss"] and (tol is None or error > tol.loss):
+            return f"validation loss after step {ours['validation_at']} off by {error:.3g}"
+    return ""
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,7 @@ def count_collectives() -> None:
 
 def record_steps(path: str) -> None:
     """The recording rank writes each logged step's loss and grad norm to ``path`` at full precision, with the
-    time it was logged and its peak resident memory so far (MiB)."""
+    time it was logged and its peak resident memory so far (MiB), and each validation's loss."""
     import resource
     import time
 
@@ -158,6 +158,15 @@ def record_steps(path: str) -> None:
         return log(self, step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs)
 
     MetricsProcessor.log = log_and_record
+    log_validation = MetricsProcessor.log_validation
+
+    def log_validation_and_record(self, loss, step, *args, **kwargs):
+        if not dist.is_initialized() or dist.get_rank() == int(os.environ.get("TRAINER_RECORD_RANK", "0")):
+            with open(path, "a") as f:
+                f.write(json.dumps({"validation_at": step, "loss": float(loss)}) + "\n")
+        return log_validation(self, loss, step, *args, **kwargs)
+
+    MetricsProcessor.log_validation = log_validation_and_record
 
 
 def main() -> None:
