@@ -21,3 +21,22 @@ def mean_with_and_without_avg() -> dict[str, list[float]]:
             torch_compat.all_reduce_mean(tensor)
         results[name] = tensor.tolist()
     return results
+
+
+def unflattened_meshes() -> dict[str, list]:
+    """The mesh ``unflattened_mesh`` gives for (a 2, b 2) on this torch and on one without
+    ``DeviceMesh._unflatten``: its dim names, shape, this rank's coordinates and its root's names."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    def described(mesh) -> list:
+        root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+        coordinate = list(mesh.get_coordinate())
+        return [list(mesh.mesh_dim_names), list(mesh.shape), coordinate, list(root.mesh_dim_names or ())]
+
+    dims = {"a": 2, "b": 2}
+    results = {"installed": described(torch_compat.unflattened_mesh("cpu", dims))}
+    with mock.patch.object(DeviceMesh, "_unflatten", None, create=True):
+        results["without"] = described(torch_compat.unflattened_mesh("cpu", dims))
+    results["has_unflatten"] = [getattr(DeviceMesh, "_unflatten", None) is not None]
+    results["rank"] = [dist.get_rank()]
+    return results

@@ -106,6 +106,18 @@ def test_the_kits_mean_over_ranks_without_avg(cluster):
         assert result["sum_only"] == result["avg"] == pytest.approx(result["expected"]), result
 
 
+def test_a_mesh_unflattened_from_the_worlds_and_its_fallback(cluster):
+    """On 4 ranks: (a 2, b 2) unflattened from the world mesh where torch can (its root then names
+    neither dim: the world), and as one named mesh where it cannot; the same dims, shape and
+    coordinates either way."""
+    for result in cluster.run(ranks.unflattened_meshes, 4):
+        rank = result["rank"][0]
+        names, shape, coordinate, root = result["installed"]
+        assert (names, shape, coordinate) == (["a", "b"], [2, 2], [rank // 2, rank % 2]), result
+        assert root == (["world"] if result["has_unflatten"][0] else ["a", "b"]), result
+        assert result["without"] == [["a", "b"], [2, 2], [rank // 2, rank % 2], ["a", "b"]], result
+
+
 def test_what_the_installed_fsdp2_lacks_is_found_there(monkeypatch):
     """A torch whose FSDP2 has no share_comm_ctx nor set_gradient_divide_factor (torch 2.7's): those
     features, and set_reduce_op_type's shim that needs the factor, leave ``features``; the entry

@@ -11,9 +11,9 @@ Which release takes which path (measured by ``make test-torch-matrix``, docs/tes
   where every run computes).
 - Functional collectives name their group by a string: ``distributed_c10d._resolve_process_group``.
 - ``ReduceOp.AVG``: gloo before torch 2.8 lacks it; the kit's own averages then SUM and divide.
-- Meshes unflattened from a 1-D world mesh (``DeviceMesh._unflatten``, torch 2.9+; torchtitan's
-  meshes): their root is the world mesh, which names none of their dims. Before it, the same dims
-  come from one named mesh.
+- Meshes unflattened from a 1-D world mesh (``DeviceMesh._unflatten``: torch 2.13 has it, 2.9.1
+  not; torchtitan's meshes): their root is the world mesh, which names none of their dims. Without
+  it, the same dims come from one named mesh.
 - ``torch.distributed.pipelining``: on gloo torch 2.9's first p2p of a schedule mismatches its
   sizes (gloo aborts) and torch 2.6 and 2.7's schedules leave p2p works unwaited (1F1B hangs);
   torch 2.6's schedules do not divide the grads by the microbatches. The PP case adapts all three,
