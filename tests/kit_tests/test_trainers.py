@@ -175,17 +175,17 @@ def test_a_failed_runs_first_exception_is_found_in_its_log():
 
 
 def test_the_command_judges_each_row_writes_its_page_and_exits_1_on_a_difference(tmp_path, monkeypatch):
-    """``main`` end to end with the trainer runs faked: one implementation equal to FSDP2, one that
-    differs at step 2; the page and JSON name both, with each run's log, and the exit status is 1."""
+    """``main`` end to end with the trainer runs faked: one implementation equal to FSDP2, one whose
+    validation differs; the page and JSON name both, with each run's log, and the exit status is 1."""
     import json
 
     import tools.trainers.__main__ as command
 
     def fake_run(python, spec, config, out, assets, steps, resume_from=None):
-        steps_run = [dict(s) for s in REFERENCE]
-        if spec.startswith("native:"):  # the broken checkout
-            steps_run[1]["loss"] += 0.5
-        return {"exit": 0, "seconds": 1.0, "steps": steps_run, "step_seconds": 1.0, "peak_rss_mib": 500.0, "error": ""}
+        # the broken checkout trains every step alike and then validates off: only the validation tells
+        validations = [{"validation_at": 2, "loss": 7.5 if spec.startswith("native:") else 7.0}]
+        return {"exit": 0, "seconds": 1.0, "steps": [dict(s) for s in REFERENCE], "step_seconds": 1.0,
+                "peak_rss_mib": 500.0, "error": "", "validations": validations}  # fmt: skip
 
     monkeypatch.setattr(command, "run", fake_run)
     monkeypatch.setattr(command, "ensure_venv", lambda: tmp_path / "python")
@@ -200,7 +200,8 @@ def test_the_command_judges_each_row_writes_its_page_and_exits_1_on_a_difference
     assert runs["ours"]["verdict"] == "BITWISE" and runs["broken"]["verdict"] == "DIFFERS"
     assert runs["broken"]["log"] == "c0/broken/log.txt" and runs["torch"]["ranks"] == 2
     shown = (tmp_path / "out" / "index.html").read_text()
-    assert "pytorch-lightning 2.6.6" in shown and "first at step 2" in shown
+    assert "pytorch-lightning 2.6.6" in shown and "validation loss after step 2 off by 0.5" in shown
+    assert runs["ours"]["detail"] == "1 validations equal"
     alone = ["lightning", "--implementation", "ours=", "--configs", "fp32", "--out", str(tmp_path / "o2")]
     assert command.main(alone) == 0
 
@@ -213,3 +214,37 @@ def test_validation_losses_are_compared_after_the_same_steps():
     assert validation_difference(reference, off, None) == "validation loss after step 4 off by 1e-07"
     assert validation_difference(reference, off, Tolerance(loss=1e-6, grad=0.0)) == ""
     assert "after steps [2]" in validation_difference(reference, reference[:1], None)
+
+
+def test_the_checkpoint_row_compares_both_saves_and_both_resumes(tmp_path, monkeypatch):
+    """The checkpoint row with the runs and the checkpoint reader faked: an implementation whose
+    saves and resumes agree is BITWISE with its entry count; one whose step-5 save differs, and one
+    whose resume from FSDP2's save diverges, DIFFER and say where."""
+    import tools.trainers.__main__ as command
+
+    ten = [{"step": s, "loss": 8.0 - 0.1 * s, "grad_norm": 1.0} for s in range(1, 11)]
+    resumed_runs = []
+
+    def fake_run(python, spec, config, out, assets, steps, resume_from=None):
+        steps_run = [dict(s) for s in (command.after(ten, 5) if resume_from else ten)]
+        if resume_from is not None:
+            resumed_runs.append((out.name, resume_from.parent.parent.name))
+            if out.name == "diverges-from-torch":
+                steps_run[-1]["loss"] += 1.0
+        return {"exit": 0, "steps": steps_run, "validations": [], "error": ""}
+
+    def fake_report(python, first, second):
+        differs = second.parent.parent.name == "saves-off" and first.name == "step-5"
+        return {"entries": 783, "differences": ["differs: model.w"] if differs else []}
+
+    monkeypatch.setattr(command, "run", fake_run)
+    monkeypatch.setattr(command, "checkpoint_report", fake_report)
+    config, folder = command.CONFIGS[command.CHECKPOINTED], tmp_path
+    reference = fake_run(None, "torch", config, folder / "torch", None, 10)
+    good = command.judged(None, config, folder, "ours", "", None, reference, 10)
+    assert good["verdict"] == "BITWISE" and "(783 entries)" in good["detail"], good
+    assert ("ours-from-torch", "torch") in resumed_runs and ("torch-from-ours", "ours") in resumed_runs
+    off = command.judged(None, config, folder, "saves-off", "", None, reference, 10)
+    assert off["verdict"] == "DIFFERS" and "step-5 checkpoint: 1 entries differ (differs: model.w)" in off["detail"]
+    diverges = command.judged(None, config, folder, "diverges", "", None, reference, 10)
+    assert diverges["verdict"] == "DIFFERS" and "diverges resumed from torch's step 5: DIFFERS" in diverges["detail"]

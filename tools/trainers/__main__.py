@@ -44,7 +44,7 @@ VENV = REPO / ".venvs" / "trainers"
 
 @dataclass(frozen=True)
 class Config:
-    """One row of the matrix: torchtitan's arguments beyond the common ones, on how many ranks."""
+    """One row of a trainer's matrix: the trainer's arguments beyond the common ones, on how many ranks."""
 
     args: tuple[str, ...] = ()
     ranks: int = 2
@@ -147,8 +147,9 @@ def prepared_assets(python: Path) -> tuple[Path, Path]:
 
 def run(python: Path, spec: str, config: Config, out: Path, assets: tuple[Path, Path], steps: int,
         resume_from: Path | None = None) -> dict:  # fmt: skip
-    """One torchtitan run; its record, exit status and seconds. ``resume_from``: a checkpoint folder
-    (``.../step-N``) copied into the run's own checkpoint folder, which torchtitan resumes from."""
+    """One trainer run (torchtitan, or Lightning where ``config.launch`` says so); its record, exit
+    status and seconds. ``resume_from``: a checkpoint folder (``.../step-N``) copied into the run's own
+    checkpoint folder, which torchtitan resumes from."""
     tokenizer, dataset = assets
     record = out / "steps.jsonl"
     if out.exists():
@@ -187,7 +188,8 @@ def checkpoint_report(python: Path, first: Path, second: Path) -> dict:
     script = str(Path(__file__).with_name("checkpoints.py"))
     done = subprocess.run([str(python), script, str(first), str(second)], capture_output=True, text=True)
     if done.returncode != 0:
-        return {"entries": 0, "differences": [f"unreadable: {done.stderr.strip().splitlines()[-1:]}"]}
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"entries": 0, "differences": [f"unreadable: {last}"]}
     return json.loads(done.stdout)
 
 
