@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tests.engine._checks import check_step_collectives
 from tests.kit.judging.checks import StrictChecks
@@ -150,3 +151,51 @@ def checkpointed_matches_reference(use_reentrant: bool, bf16: bool) -> None:
     train_against(checks, model, reference, batches, square_mean, checks.tol)
     checks.equal("checkpointed layer forwards (forward and recompute per step)", len(seen), 2 * STEPS)
     checks.equal("param dtype in forward and recompute", str(sorted({str(d) for d in seen})), str([str(compute)]))
+
+
+class _ByKeyword(nn.Module):
+    """A layer its parent calls with the input by keyword: the forward's inputs are walked, not taken
+    as plain positional tensors."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+class _Chain(nn.Module):
+    """Blocks in a row, each called positionally or by keyword."""
+
+    def __init__(self, by_keyword: bool) -> None:
+        super().__init__()
+        layers = MLP(DIMS).layers
+        self.blocks = nn.ModuleList(_ByKeyword(layer) for layer in layers) if by_keyword else layers
+        self.by_keyword = by_keyword
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x=x) if self.by_keyword else block(x))
+        return x
+
+
+def each_group_reshards_when_its_backward_is_done(by_keyword: bool) -> None:
+    """A group's post-backward runs once autograd is done with its module (its inputs' grads made),
+    not at the end of backward: while the first block's backward runs, every block after it is
+    resharded already (its params registered as DTensors again), as in FSDP2, which frees them early."""
+    checks = StrictChecks("FSDP 1D fp32")
+    model = _Chain(by_keyword)
+    shard_nested(model, model.blocks, mesh=checks.mesh)
+    resharded: list[bool] = []
+
+    def probe(grad: torch.Tensor) -> None:  # the grad of the first block's output: the later blocks are done
+        resharded.extend(all(isinstance(p, DTensor) for p in block.parameters()) for block in model.blocks[1:])
+
+    def hook_output(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        output.register_hook(probe)
+
+    model.blocks[0].register_forward_hook(hook_output)
+    model(rank_batch(0, checks.rank, (4, DIMS[0]))).square().mean().backward()
+    checks.equal("later blocks probed during the first block's backward", len(resharded), len(DIMS) - 2)
+    checks.true("each later block resharded by then", all(resharded))

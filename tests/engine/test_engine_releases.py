@@ -128,6 +128,16 @@ def test_reduce_arithmetic_matches_fsdp2_force_sum(dtype):
         assert (ours.divide_before, ours.divide_after) == _fsdp2_division(world, dtype), world
 
 
+def test_one_settings_answers_each_reduction_apart():
+    """A group keeps its ReduceSettings across backwards, and they remember each arithmetic they made:
+    every answer is a fresh settings' answer, whatever was asked before."""
+    kept = ReduceSettings()
+    for world in (1, 2, 3, 8):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for averages in (True, False):
+                assert kept.arithmetic(world, dtype, averages) == ReduceSettings().arithmetic(world, dtype, averages)
+
+
 @pytest.mark.parametrize("divisor", [1, 2, 3, 4, 6, 8, 12, 16, 1024])
 def test_split_division_keeps_the_divisor(divisor):
     before, after = split_division(float(divisor))

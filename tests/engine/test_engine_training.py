@@ -46,3 +46,10 @@ def test_tied_weights_in_one_group(cluster):
 def test_activation_checkpointing(cluster, use_reentrant, bf16):
     """AC re-running sharded forwards in backward = no-AC baseline; no plan case covers it (L2-03/04 will: fp32)."""
     cluster.run(ranks.checkpointed_matches_reference, 2, use_reentrant=use_reentrant, bf16=bf16)
+
+
+@pytest.mark.parametrize("by_keyword", [False, True], ids=["positional", "by keyword"])
+def test_each_group_reshards_when_its_backward_is_done(cluster, by_keyword):
+    """Post-backward fires per module during backward (not only at its end), whether the module's input
+    comes positionally or by keyword; no plan case looks inside a backward."""
+    cluster.run(ranks.each_group_reshards_when_its_backward_is_done, 2, by_keyword=by_keyword)

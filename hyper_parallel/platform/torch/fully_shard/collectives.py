@@ -119,6 +119,10 @@ class AllGather:
             offset += layout.padded_numel
 
 
+# what unsharding a group of whole params (one rank, or all replicated) leaves to wait for: nothing
+_NOTHING_TO_GATHER = AllGather([], [], [], fused=False, done=True)
+
+
 def start_all_gather(
     params: Sequence[HSDPParam],
     mesh_info: MeshInfo,
@@ -139,9 +143,9 @@ def start_all_gather(
             param.alloc_unsharded()
             param.copy_replicated_in()
             param.note_gathered()
-    group = mesh_info.shard_group if post_forward is None else post_forward.group
     if not sharded:
-        return AllGather(sharded, [], [], fused, done=True)
+        return _NOTHING_TO_GATHER
+    group = mesh_info.shard_group if post_forward is None else post_forward.group
     if fused and len(sharded) > 1:
         return _start_fused_all_gather(sharded, group, async_op, post_forward)
     works, outputs, keepers = [], [], []
@@ -234,10 +238,21 @@ class ReduceSettings:
     scaling_factor: float | torch.Tensor | None = None
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
     all_reduce_replicas: bool = True
+    # each arithmetic made, by (ranks, dtype, averages): a group keeps its settings across backwards
+    _made: dict[tuple[int, torch.dtype, bool], Arithmetic] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def arithmetic(self, ranks: int, dtype: torch.dtype, averages: bool = True) -> Arithmetic:
         """The arithmetic of a reduction in ``dtype`` over ``ranks`` ranks, on a backend that has
         ``ReduceOp.AVG`` (``averages``) or not (SUM, then the division, as under force-sum)."""
+        key = (ranks, dtype, averages)
+        made = self._made.get(key)
+        if made is None:
+            made = self._made[key] = self._make_arithmetic(ranks, dtype, averages)
+        return made
+
+    def _make_arithmetic(self, ranks: int, dtype: torch.dtype, averages: bool) -> Arithmetic:
         if self.divide_factor is not None:
             if self.force_sum or dtype not in _WIDE_RANGE:
                 return _sum_then_divide(self.divide_factor, dtype)

@@ -40,12 +40,15 @@ def _free_storage(tensor: torch.Tensor) -> None:
         storage.resize_(0)
 
 
-def set_module_param(module: nn.Module, name: str, param: torch.Tensor) -> None:
-    """Swap a registered param without ``nn.Module.__setattr__``'s checks (hot path)."""
-    if getattr(module.__setattr__, "__func__", None) is nn.Module.__setattr__:
-        module._parameters[name] = param
-    else:
-        setattr(module, name, param)
+def register_in_slots(slots: list[ModuleSlot], param: torch.Tensor) -> None:
+    """Register ``param`` in each slot without ``nn.Module.__setattr__``'s checks (hot path: every param,
+    every unshard and reshard). The type's ``__setattr__`` is what assignment runs; a module overriding
+    it sees the swap."""
+    for module, name in slots:
+        if type(module).__setattr__ is nn.Module.__setattr__:
+            module._parameters[name] = param
+        else:
+            setattr(module, name, param)
 
 
 _ORIGINAL_IDS = itertools.count()
@@ -89,6 +92,8 @@ class HSDPParam:
         self.dim = 0 if self.is_replicated else placement.dim % param.ndim
         # the one description of this param's rows, read by the all-gather and the reduction alike
         self.layout = RowLayout.cut(self.full_shape, self.dim, 1 if self.is_replicated else mesh_info.shard_size)
+        # every rank holds the whole param (replicated, or sharded over one rank): nothing to gather
+        self.is_whole = self.is_replicated or self.layout.world == 1
         # reshard_after_forward=int: the rows this rank keeps after forward, cut over that many ranks
         self.post_forward_layout: RowLayout | None = None
         self.post_forward_shard: torch.Tensor | None = None
@@ -134,12 +139,6 @@ class HSDPParam:
         mesh = with_tensor_parallel(self.mesh_info.mesh, self.tp_mesh)
         return mesh, (*self.mesh_info.placements(placement), *self.tp_placements)
 
-    # -- layout -------------------------------------------------------------------------
-    @property
-    def is_whole(self) -> bool:
-        """Every rank holds the whole param: replicated, or sharded over one rank."""
-        return self.is_replicated or self.layout.world == 1
-
     # -- sharded side ---------------------------------------------------------------------
     def _init_sharded(self, param: nn.Parameter) -> None:
         with torch.no_grad():
@@ -171,8 +170,10 @@ class HSDPParam:
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap a local tensor laid out like this param's shard as a DTensor like the param."""
         if local.dtype == self.orig_dtype and hasattr(self, "sharded_param"):
-            # hot path (every new grad): reuse the param's spec, skip from_local's checks
-            return DTensor(local, self.sharded_param._spec, requires_grad=False)
+            # hot path (every new grad): reuse the param's spec, skip from_local's checks; ``__new__``
+            # alone, as DTensor's own ops wrap their results (its ``__init__`` does nothing but cost
+            # two wrappers a call)
+            return DTensor.__new__(DTensor, local, self.sharded_param._spec, requires_grad=False)
         return self._global_view(local, self.sharded_mesh, self.placements)
 
     def _global_view(self, local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
@@ -187,8 +188,7 @@ class HSDPParam:
         )
 
     def use_sharded(self) -> None:
-        for module, name in self.slots:
-            set_module_param(module, name, self.sharded_param)
+        register_in_slots(self.slots, self.sharded_param)
 
     def use_post_forward(self, mesh: DeviceMesh) -> None:
         """Register the rows kept after forward (``reshard_after_forward=int``) as a DTensor on the
@@ -205,8 +205,7 @@ class HSDPParam:
             stride=contiguous_stride(self.global_shape),
         )
         param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
-        for module, name in self.slots:
-            set_module_param(module, name, param)
+        register_in_slots(self.slots, param)
 
     def refresh_after_apply(self, policy: Precision) -> None:
         """Follow what ``nn.Module._apply`` (``to``, ``to_empty``, ``double``, ...) did to the sharded
@@ -280,8 +279,7 @@ class HSDPParam:
         self.unsharded_local = self._tp_local(self.unsharded_param)
 
     def use_unsharded(self) -> None:
-        for module, name in self.slots:
-            set_module_param(module, name, self.unsharded_param)
+        register_in_slots(self.slots, self.unsharded_param)
 
     def alloc_unsharded(self) -> None:
         if not self.aliases_shard:

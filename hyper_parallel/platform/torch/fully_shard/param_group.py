@@ -68,6 +68,7 @@ class HSDPParamGroup:
         self.reduce_scatter_unused_params = False
         self.reduce_scatter_group = None  # set_separate_reduce_scatter_group: its own process group
         self._post_forward: PostForwardMesh | None = None  # where the last reshard_to kept its rows
+        self._reduce_settings: tuple[tuple, ReduceSettings] | None = None  # (the controls read, what they made)
 
     # -- unshard / reshard --------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
@@ -95,7 +96,8 @@ class HSDPParamGroup:
         self._all_gather.wait()
         self._all_gather = None
         for param in self.params:
-            param.drop_post_forward_shard()
+            if param.post_forward_shard is not None:
+                param.drop_post_forward_shard()
             param.use_unsharded()
         self.state = ShardedState.UNSHARDED
 
@@ -106,7 +108,8 @@ class HSDPParamGroup:
         if self.state is ShardedState.SHARDED:
             return
         for param in self.params:
-            param.drop_post_forward_shard()
+            if param.post_forward_shard is not None:
+                param.drop_post_forward_shard()
             param.use_sharded()
             param.free_unsharded()
         self.state = ShardedState.SHARDED
@@ -162,15 +165,28 @@ class HSDPParamGroup:
 
     @property
     def reduce_settings(self) -> ReduceSettings:
-        """The controls that decide the arithmetic of the next reduction."""
-        return ReduceSettings(
-            op_type=self.reduce_op,
-            divide_factor=self.gradient_divide_factor,
-            force_sum=self.force_sum_reduction,
-            scaling_factor=self.gradient_scaling_factor,
-            all_reduce_hook=self.all_reduce_hook,
-            all_reduce_replicas=self.requires_all_reduce,
+        """The controls that decide the arithmetic of the next reduction: made again only when one of
+        them is another object than last time (every backward reads them, the setters seldom change them)."""
+        controls = (
+            self.reduce_op,
+            self.gradient_divide_factor,
+            self.force_sum_reduction,
+            self.gradient_scaling_factor,
+            self.all_reduce_hook,
+            self.requires_all_reduce,
         )
+        cached = self._reduce_settings
+        if cached is None or any(now is not then for now, then in zip(controls, cached[0], strict=True)):
+            settings = ReduceSettings(
+                op_type=self.reduce_op,
+                divide_factor=self.gradient_divide_factor,
+                force_sum=self.force_sum_reduction,
+                scaling_factor=self.gradient_scaling_factor,
+                all_reduce_hook=self.all_reduce_hook,
+                all_reduce_replicas=self.requires_all_reduce,
+            )
+            cached = self._reduce_settings = (controls, settings)
+        return cached[1]
 
     def discard_iteration(self) -> None:
         """``reset_iter_state``: finish in-flight gathers, reshard, drop in-flight and unreduced grads."""

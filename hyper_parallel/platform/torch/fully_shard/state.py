@@ -272,7 +272,15 @@ class HSDPState:
             args, kwargs = self._attach_post_backward((args, kwargs))
         return args, kwargs
 
-    def _attach_post_backward(self, inputs: Any) -> Any:
+    def _attach_post_backward(self, inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+        args, kwargs = inputs
+        if not kwargs and all(type(arg) is torch.Tensor for arg in args):
+            # the usual call, ``block(x)``: plain tensors only, no containers to walk and rebuild
+            needs_grad = [arg for arg in args if arg.requires_grad]
+            if not needs_grad:
+                return inputs
+            wrapped = iter(_PostBackward.apply(self, *needs_grad))
+            return tuple(next(wrapped) if arg.requires_grad else arg for arg in args), kwargs
         needs_grad = [t for t in _tensors_in(inputs) if t.requires_grad]
         if not needs_grad:
             return inputs
@@ -294,7 +302,7 @@ class HSDPState:
                 order[self] = order.get(self, 0) + 1
         output = _cast_floating(output, self.mp_policy.output_dtype)
         if torch.is_grad_enabled():
-            for tensor in _tensors_in(output):
+            for tensor in (output,) if type(output) is torch.Tensor else _tensors_in(output):
                 if tensor.requires_grad:
                     tensor.register_hook(self._pre_backward)
         return output
