@@ -11,7 +11,8 @@ forward) on one 1-D mesh and trains it with AdamW on the same per-rank batches. 
 one goes first alternates), so machine noise hits both alike. Printed, with the ratio ours / FSDP2:
 
 - step time: the median over the measured steps of wall time and of process CPU time (steadier on a
-  shared machine), per rank; the max over ranks;
+  shared machine), per rank; the max over ranks; and the CPU time of each part (forward with
+  ``zero_grad`` and the loss, backward, optimizer step), where a difference goes;
 - peak memory of one more step, by the kit's probe (``tests.kit.judging.memory.peak_memory``): live tensors
   (sharded params, grads and AdamW state included), and the bytes held for backward; the max over ranks;
 - bytes on the wire per step and rank, by the kit's recorder (``tests.kit.judging.recorder``) on one more
@@ -74,7 +75,8 @@ FLOOR = "floor"
 AT_ONE_RANK = (PLAIN, FLOOR)
 ONE_RANK_TARGET = 1.05  # issue 42: at one rank a sharded model's step costs at most 5% over the plain one's
 Batch = tuple[torch.Tensor, torch.Tensor]
-MAXED = ("step_ms", "cpu_ms", "peak_bytes", "saved_bytes", "wire_bytes")  # reported as the max over ranks
+PARTS = ("forward", "backward", "optimizer")  # a step's parts, each timed in process CPU
+MAXED = ("step_ms", "cpu_ms", *(f"{part}_cpu_ms" for part in PARTS), "peak_bytes", "saved_bytes", "wire_bytes")
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,21 @@ class DTensorViews:
                 param.grad = None
 
 
+class Laps:
+    """Process CPU time since the last lap (or since made), appended to ``parts[name]``; nothing
+    without ``parts``. CPU time is the host's side of a step, the side sharding adds to at one rank."""
+
+    def __init__(self, parts: dict[str, list[float]] | None) -> None:
+        self.parts = parts
+        self.last = time.process_time() if parts is not None else 0.0
+
+    def __call__(self, name: str) -> None:
+        if self.parts is not None:
+            now = time.process_time()
+            self.parts[name].append(now - self.last)
+            self.last = now
+
+
 class Trainer:
     """One implementation's sharded copy of the model and its AdamW (``PLAIN``: the model unsharded,
     at world size 1; ``FLOOR``: that model, its AdamW on DTensor views of its params), with what its
@@ -136,18 +153,24 @@ class Trainer:
         self.losses: list[float] = []
         self.wall: list[float] = []
         self.cpu: list[float] = []
+        self.parts: dict[str, list[float]] = {part: [] for part in PARTS}
         self.numbers: dict[str, Any] = {}
 
-    def step(self, batch: Batch) -> float:
-        """zero_grad, forward, loss, backward, optimizer step; the loss."""
+    def step(self, batch: Batch, parts: dict[str, list[float]] | None = None) -> float:
+        """zero_grad, forward, loss, backward, optimizer step; the loss. ``parts``: where each part's
+        process CPU time goes (zero_grad and the loss count to forward)."""
+        lap = Laps(parts)
         inputs, targets = batch
         self.optim.zero_grad(set_to_none=True)
         loss = cross_entropy_loss(self.model(inputs), targets)
+        lap("forward")
         loss.backward()
         if self.views is not None:
             self.views.take_grads()
+        lap("backward")
         with self.impl.optimizer_step() if self.impl is not None else contextlib.nullcontext():
             self.optim.step()
+        lap("optimizer")
         self.losses.append(loss.item())
         return self.losses[-1]
 
@@ -157,7 +180,7 @@ class Trainer:
             torch.accelerator.synchronize(device)
         dist.barrier()
         wall, cpu = time.perf_counter(), time.process_time()
-        self.step(batch)
+        self.step(batch, self.parts)
         if devices.has_allocator(device):
             torch.accelerator.synchronize(device)
         self.wall.append(time.perf_counter() - wall)
@@ -174,6 +197,7 @@ class Trainer:
         self.numbers = {
             "step_ms": statistics.median(self.wall) * 1e3,
             "cpu_ms": statistics.median(self.cpu) * 1e3,
+            **{f"{part}_cpu_ms": statistics.median(laps) * 1e3 for part, laps in self.parts.items()},
             "peak_bytes": memory.peak,
             "saved_bytes": memory.saved_bytes,
             "wire_bytes": recorder.wire_bytes(),
@@ -283,6 +307,7 @@ def report(result: dict[str, Any], atol: float) -> None:
     rows = [
         ("step time, wall (median; max over ranks)", "step_ms", 1.0, "ms"),
         ("step time, process CPU (median)", "cpu_ms", 1.0, "ms"),
+        *((f"  {part}, process CPU (median)", f"{part}_cpu_ms", 1.0, "ms") for part in PARTS),
         ("peak memory, live tensors", "peak_bytes", mib, "MiB"),
         ("peak memory, held for backward", "saved_bytes", mib, "MiB"),
         ("bytes on the wire per step", "wire_bytes", mib, "MiB"),

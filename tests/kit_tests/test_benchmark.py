@@ -38,6 +38,8 @@ def test_one_rank_trains_the_floor_and_the_plain_model_as_the_engines(tmp_path):
     # the floor's optimizer steps DTensor views of the plain model's params: it must train that model
     # as the others train theirs (a view that copies, or a grad left behind, leaves it untrained)
     assert model["loss_max_abs_diff"] == 0.0, model
+    for name, numbers in model["engines"].items():  # where each step's CPU time goes, part by part
+        assert all(numbers[f"{part}_cpu_ms"] > 0 for part in ("forward", "backward", "optimizer")), name
     assert "DTensor floor, process CPU (median)" in done.stdout
     assert "ours/floor" in done.stdout and "losses agree" in done.stdout
 

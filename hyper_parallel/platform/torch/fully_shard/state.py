@@ -243,10 +243,11 @@ class HSDPState:
     def _pre_forward(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        recomputing = self.training_state is TrainingState.PRE_BACKWARD or _inside_backward()
+        inside_backward = _inside_backward()
+        recomputing = self.training_state is TrainingState.PRE_BACKWARD or inside_backward
         if not recomputing and self.is_root is None:
             self._become_root()
-        if not _inside_backward():
+        if not inside_backward:
             # first: a backward that raised left its states (PRE_BACKWARD ones too) to forget, and
             # forgetting after registering this forward would drop this group from the iteration
             self.iteration.recover_if_abandoned()
@@ -289,6 +290,7 @@ class HSDPState:
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         recomputing = self.training_state is TrainingState.PRE_BACKWARD or _inside_backward()
+        grad_enabled = torch.is_grad_enabled()
         if not recomputing:
             if self.param_group is not None and self._reshards_after_forward():
                 if self.post_forward is not None:
@@ -296,12 +298,12 @@ class HSDPState:
                 else:
                     self.param_group.reshard()
             self.training_state = TrainingState.IDLE
-            if torch.is_grad_enabled() and self.param_group is not None:
+            if grad_enabled and self.param_group is not None:
                 # only groups with params take part, as in FSDP2: a call managing none is no target
                 order = self.iteration.forward_order
                 order[self] = order.get(self, 0) + 1
         output = _cast_floating(output, self.mp_policy.output_dtype)
-        if torch.is_grad_enabled():
+        if grad_enabled:
             for tensor in (output,) if type(output) is torch.Tensor else _tensors_in(output):
                 if tensor.requires_grad:
                     tensor.register_hook(self._pre_backward)
