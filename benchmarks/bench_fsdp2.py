@@ -339,7 +339,7 @@ def report(result: dict[str, Any], atol: float) -> None:
     print(f"  {'wire minimum (W-1)/W (3P - P_root)':<42}{low / mib:>8.2f} MiB   wire / minimum: {ratios}")
     at_one_rank = tuple((name, result["engines"][name]) for name in AT_ONE_RANK if name in result["engines"])
     for name, e in (("ours", ours), ("FSDP2", fsdp2), *at_one_rank):
-        calls = ", ".join(f"{op} x{n}" for op, n in sorted(e["collectives"].items()))
+        calls = ", ".join(f"{op} x{n}" for op, n in sorted(e["collectives"].items())) or "none"
         print(
             f"  collectives per step, {name}: {calls}; step ms per rank {[round(v, 1) for v in e['step_ms_per_rank']]}"
         )
