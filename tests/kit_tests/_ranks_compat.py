@@ -25,11 +25,13 @@ def mean_with_and_without_avg() -> dict[str, list[float]]:
 
 def unflattened_meshes() -> dict[str, list]:
     """The mesh ``unflattened_mesh`` gives for (a 2, b 2) on this torch and on one without
-    ``DeviceMesh._unflatten``: its dim names, shape, this rank's coordinates and its root's names."""
+    ``DeviceMesh._unflatten``: its dim names, shape, this rank's coordinates and its root's names; and
+    the root of its dim ``a``, found as this torch finds it and as a release without
+    ``DeviceMesh._get_root_mesh`` does."""
     from torch.distributed.device_mesh import DeviceMesh
 
     def described(mesh) -> list:
-        root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+        root = torch_compat.root_mesh(mesh)
         coordinate = list(mesh.get_coordinate())
         return [list(mesh.mesh_dim_names), list(mesh.shape), coordinate, list(root.mesh_dim_names or ())]
 
@@ -38,5 +40,8 @@ def unflattened_meshes() -> dict[str, list]:
     with mock.patch.object(DeviceMesh, "_unflatten", None, create=True):
         results["without"] = described(torch_compat.unflattened_mesh("cpu", dims))
     results["has_unflatten"] = [getattr(DeviceMesh, "_unflatten", None) is not None]
+    installed = torch_compat.unflattened_mesh("cpu", dims)
+    results["root_of_a"] = list(torch_compat.root_mesh(installed["a"]).mesh_dim_names)
+    results["root_of_a_without_the_method"] = list(torch_compat.root_by_mesh_resources(installed["a"]).mesh_dim_names)
     results["rank"] = [dist.get_rank()]
     return results

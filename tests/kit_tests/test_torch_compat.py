@@ -109,12 +109,14 @@ def test_the_kits_mean_over_ranks_without_avg(cluster):
 def test_a_mesh_unflattened_from_the_worlds_and_its_fallback(cluster):
     """On 4 ranks: (a 2, b 2) unflattened from the world mesh where torch can (its root then names
     neither dim: the world), and as one named mesh where it cannot; the same dims, shape and
-    coordinates either way."""
+    coordinates either way. A sub-mesh's root is found with ``DeviceMesh._get_root_mesh`` and without it
+    (torch 2.9.1 has none) alike."""
     for result in cluster.run(ranks.unflattened_meshes, 4):
         rank = result["rank"][0]
         names, shape, coordinate, root = result["installed"]
         assert (names, shape, coordinate) == (["a", "b"], [2, 2], [rank // 2, rank % 2]), result
         assert root == (["world"] if result["has_unflatten"][0] else ["a", "b"]), result
+        assert result["root_of_a"] == result["root_of_a_without_the_method"] == root, result
         assert result["without"] == [["a", "b"], [2, 2], [rank // 2, rank % 2], ["a", "b"]], result
 
 

@@ -13,7 +13,8 @@ Which release takes which path (measured by ``make test-torch-matrix``, docs/tes
 - ``ReduceOp.AVG``: gloo before torch 2.8 lacks it; the kit's own averages then SUM and divide.
 - Meshes unflattened from a 1-D world mesh (``DeviceMesh._unflatten``: torch 2.13 has it, 2.9.1
   not; torchtitan's meshes): their root is the world mesh, which names none of their dims. Without
-  it, the same dims come from one named mesh.
+  it, the same dims come from one named mesh. A sub-mesh's root: ``DeviceMesh._get_root_mesh`` (2.13),
+  ``device_mesh._mesh_resources.get_root_mesh`` (2.6 to 2.9).
 - ``torch.distributed.pipelining``: on gloo torch 2.9's first p2p of a schedule mismatches its
   sizes (gloo aborts) and torch 2.6 and 2.7's schedules leave p2p works unwaited (1F1B hangs);
   torch 2.6's schedules do not divide the grads by the microbatches. The PP case adapts all three,
@@ -134,6 +135,20 @@ def all_reduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
         return
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     tensor.div_(dist.get_world_size(group))
+
+
+def root_mesh(mesh: Any) -> Any:
+    """The mesh ``mesh`` was cut from (itself when it is no other's sub-mesh): ``DeviceMesh._get_root_mesh``
+    where the release has it (2.13 does, 2.9.1 not), else ``device_mesh._mesh_resources.get_root_mesh``."""
+    getter = getattr(mesh, "_get_root_mesh", None)
+    return getter() if getter is not None else root_by_mesh_resources(mesh)
+
+
+def root_by_mesh_resources(mesh: Any) -> Any:
+    """``root_mesh`` on a release without ``DeviceMesh._get_root_mesh`` (torch 2.6 to 2.9)."""
+    from torch.distributed import device_mesh
+
+    return device_mesh._mesh_resources.get_root_mesh(mesh)
 
 
 def unflattened_mesh(device_type: str, dims: dict[str, int]) -> Any:
