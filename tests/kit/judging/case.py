@@ -101,8 +101,15 @@ def case(
     ``tests.kit.judging.surface.FEATURES``)."""
     specs = [(id, name, world_size, mesh, config, needs, "")]
     specs += [
-        (f"{id}-{o.suffix}", f"{name}_{o.suffix.lower()}_layout", o.world_size, o.mesh, o.config, o.needs,
-         o.about.format(id=id))  # fmt: skip
+        (
+            f"{id}-{o.suffix}",
+            f"{name}_{o.suffix.lower()}_layout",
+            o.world_size,
+            o.mesh,
+            o.config,
+            o.needs,
+            o.about.format(id=id),
+        )
         for o in layouts
     ]
     for spec_id, _, ranks, spec_mesh, spec_config, spec_needs, _ in specs:
@@ -123,9 +130,7 @@ def case(
     return register
 
 
-def _check_case_arguments(
-    id: str, world_size: int, mesh: dict[str, int], config: str, needs: tuple[str, ...]
-) -> None:
+def _check_case_arguments(id: str, world_size: int, mesh: dict[str, int], config: str, needs: tuple[str, ...]) -> None:
     """A case's arguments, checked as the plan file is imported (never mid-run)."""
     if id.split("-")[0] not in (*LEVELS, KIT_LEVEL):
         raise ValueError(f"case id {id!r} must start with one of {tuple(LEVELS)}")

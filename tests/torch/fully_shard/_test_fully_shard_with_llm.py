@@ -345,5 +345,3 @@ def moe_llm_ep_fsdp(ctx: CaseContext) -> None:
     within 1e-4, the dense layers' grad norm within 1e-5, every grad element-wise (1e-4), at step 0
     and 1; all-to-alls and all-gathers in one step with no collective error; bitwise rerun."""
     rerun_bitwise(ctx, _moe_trains_like_single_device(ctx))
-
-

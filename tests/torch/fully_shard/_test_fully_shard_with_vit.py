@@ -177,5 +177,3 @@ def multimodal_deepstack_fsdp(ctx: CaseContext) -> None:
     decoder's and the projector's grad norms and every grad within 1e-5 of DDP; the projector's grad
     is non-zero (the gradient crosses the sub-model boundary); bitwise rerun."""
     rerun_bitwise(ctx, _multimodal_trains_like_ddp(ctx.mesh, ctx.tol))
-
-
