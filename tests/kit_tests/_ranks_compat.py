@@ -45,3 +45,11 @@ def unflattened_meshes() -> dict[str, list]:
     results["root_of_a_without_the_method"] = list(torch_compat.root_by_mesh_resources(installed["a"]).mesh_dim_names)
     results["rank"] = [dist.get_rank()]
     return results
+
+
+def sliced(dims: dict[str, int], name: str | tuple[str, ...]) -> list[str]:
+    """Dim ``name`` sliced from a fresh mesh of ``dims``: its dim names."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
+    return list(mesh[name].mesh_dim_names)

@@ -221,7 +221,7 @@ def rank_entry(rank: int, spec: dict, fn_obj: Callable | None, args: tuple, kwar
     ns["_last_error"] = ns["_last_traceback"] = None
     ns["_rank"] = rank
     from tests.kit.runtime.devices import bind, choose, deterministic, host_local_indices
-    from tests.kit.runtime.torch_compat import forget_dtensor_specs
+    from tests.kit.runtime.torch_compat import forget_dtensor_specs, forget_sub_meshes
 
     torch.set_num_threads(threads_per_rank(world_size))
     hosts = spec.get("hosts") or ["localhost"] * world_size  # each rank's host, from the driver
@@ -242,6 +242,7 @@ def rank_entry(rank: int, spec: dict, fn_obj: Callable | None, args: tuple, kwar
     try:
         bind(device_type, local_index)  # before the process group exists
         forget_dtensor_specs()  # a mesh equal to an earlier run's must not bring back its groups
+        forget_sub_meshes()  # nor count as the sub-mesh an earlier run cut
         ns["_last_run"]["determinism"] = deterministic(device_type)
         store = _store_client(spec, timeout)
         dist.init_process_group(

@@ -9,6 +9,9 @@ Which release takes which path (measured by ``make test-torch-matrix``, docs/tes
   and a Python LRU cache with ``cache_clear``; torch 2.6-2.9 only the Python one, a thread-local
   ``LocalLRUCache`` whose ``.cache`` is the LRU of the calling thread (the engine's main thread,
   where every run computes).
+- Which meshes were cut from which: torch 2.6 to 2.9 keep it in ``device_mesh._mesh_resources`` (2.6 so
+  that an equal mesh of a later run counts as a sub-mesh: ``forget_sub_meshes`` clears it between
+  runs); 2.13 keeps it on the mesh itself.
 - Functional collectives name their group by a string: ``distributed_c10d._resolve_process_group``.
 - ``ReduceOp.AVG``: gloo before torch 2.8 lacks it; the kit's own averages then SUM and divide.
 - Meshes unflattened from a 1-D world mesh (``DeviceMesh._unflatten``: torch 2.13 has it, 2.9.1
@@ -59,6 +62,23 @@ def forget_dtensor_specs() -> list[str]:
             RuntimeWarning,
             stacklevel=2,
         )
+    return cleared
+
+
+def forget_sub_meshes() -> list[str]:
+    """Forget which meshes were cut from which; return the registries cleared. torch 2.6 to 2.9 keep
+    that in ``device_mesh._mesh_resources``, keyed by a mesh's value; on 2.6 a mesh equal to a sub-mesh of an
+    earlier run counts as that sub-mesh and cannot be sliced ("Cannot create a submesh from a
+    submesh"). Newer releases keep a mesh's root on the mesh itself: nothing to forget there."""
+    from torch.distributed import device_mesh
+
+    resources = getattr(device_mesh, "_mesh_resources", None)
+    cleared = []
+    for name in ("child_to_root_mapping", "root_to_flatten_mapping", "flatten_name_to_root_dims"):
+        registry = getattr(resources, name, None)
+        if isinstance(registry, dict):
+            registry.clear()
+            cleared.append(name)
     return cleared
 
 
