@@ -96,7 +96,8 @@ def build(level: str) -> nbformat.NotebookNode:
             "single-device or DDP baselines with the tolerances of `tests/kit/judging/tolerances.py` "
             "(the plan's precision matrix). Headless, one case:\n\n"
             f"    papermill notebooks/{stem}.ipynb out.ipynb -p cases {example}\n\n"
-            "Cells: parameters, set-up, cluster, run, the plan's assertions (table and figures), "
+            "Cells: parameters, set-up, cluster, run, where a failed case went wrong (its diagnosis), "
+            "the plan's assertions (table and figures), "
             "verdicts (text, checked by nbval), every check (folded), loss curves, errors against "
             "tolerances, and a last cell that raises if anything failed."
         ),
@@ -107,6 +108,13 @@ def build(level: str) -> nbformat.NotebookNode:
             "verdicts = nb.run_cases(cluster, selected, timeout, backend, isolate) if selected else []",
             "nbval-ignore-output",
         ),
+        new_markdown_cell(
+            "## Where a failed case went wrong\nFor a case that failed its checks: its first divergence from "
+            "the baseline (step, phase, module, ranks), found by tracing both tensor by tensor and measuring each "
+            "tensor's round-off noise (`tests/kit/judging/divergence.py`); the picture draws error / threshold per "
+            "module. Nothing here when every case passed. Any case, on demand: `nb.diagnose(cluster, \"L3-01\")`."
+        ),
+        _code("nb.show_diagnoses(verdicts)", "diagnosis"),
         new_markdown_cell(
             "## The plan's assertions\nEach assertion of the case's plan row, the checks that judge it "
             "(`tests/kit/plan/`), the worst of their errors against the tolerance, and where the kit reads "

@@ -35,6 +35,44 @@ def wrong_reference(ctx: CaseContext) -> None:
     train_against(ctx, model, ddp, batches, lambda m, x: m(x).square().mean(), ctx.tol)
 
 
+def _mlp_against_ddp(ctx: CaseContext, plant: object) -> None:
+    """L0-01's training with a bug ``plant(model, step)`` planted after each backward (the grads) or
+    before training (``plant(model, None)``: a forward hook), for the diagnosis to find."""
+    model = MLP((7, 13, 5, 3))
+    ddp = ddp_of(model)
+    shard_nested(model, model.layers)
+    plant(model, None)
+    batches = [rank_batch(step, ctx.rank, (4, 7)) for step in range(2)]
+    train_against(
+        ctx, model, ddp, batches, lambda m, x: m(x).square().mean(), ctx.tol, after_backward=lambda s: plant(model, s)
+    )
+
+
+@case("KIT-DIVERGE-FORWARD", "kit_forward_divergence", world_size=2, mesh={"dp": 2}, config="FSDP 1D fp32")
+def forward_divergence(ctx: CaseContext) -> None:
+    """L0-01's training with rank 1's second layer computing 1e-3 too much: the diagnosis must name
+    step 0, forward, layers.1, rank 1 alone."""
+
+    def plant(model: torch.nn.Module, step: int | None) -> None:
+        if step is None and ctx.rank == 1:
+            model.layers[1].register_forward_hook(lambda module, args, out: out * (1 + 1e-3))
+
+    _mlp_against_ddp(ctx, plant)
+
+
+@case("KIT-DIVERGE-GRAD", "kit_grad_divergence", world_size=2, mesh={"dp": 2}, config="FSDP 1D fp32")
+def grad_divergence(ctx: CaseContext) -> None:
+    """L0-01's training with the first layer's reduced weight grad 1e-3 too large on rank 0's shard:
+    the diagnosis must name step 0, reduction, layers.0 weight.grad (every rank: the full grad)."""
+
+    def plant(model: torch.nn.Module, step: int | None) -> None:
+        if step is not None and ctx.rank == 0:
+            with torch.no_grad():
+                model.layers[0].weight.grad.mul_(1 + 1e-3)
+
+    _mlp_against_ddp(ctx, plant)
+
+
 def _stuck_in_a_collective() -> None:
     if dist.get_rank() == 0:
         dist.all_reduce(torch.ones(1))  # rank 1 never joins

@@ -106,6 +106,7 @@ def child_env(root: Path, token: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
     env["IPP_NONINTERACTIVE"] = "1"
+    env["HPKIT_DIAGNOSE"] = "0"  # a kill is a kill: no diagnosis runs of the failing cases
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env[TOKEN_ENV] = token
     return env

@@ -21,10 +21,13 @@ from tests.kit.judging.layout import local_numel, shard_shape
 from tests.kit.judging.recorder import CollectiveRecorder
 from tests.kit.judging.reference import full
 from tests.kit.judging.surface import impl
+from tests.kit.judging.trace import Tracer, Untraced
 
 
 class Invariants:
     """The checks at fixed points of a step: layout, numels, all-gathers, collectives, numbers."""
+
+    trace: Tracer | Untraced = Untraced()  # the diagnosis's tracer while it runs (``traced``)
 
     def _own_numels(self, index: int, module_path: str | None = None) -> dict[str, int]:
         """Elements held of the params of call ``index`` (of its module ``module_path`` only)."""
@@ -239,11 +242,15 @@ class Invariants:
             total += whole.double().square().sum()
             ref_total += ref_grad.double().square().sum()
         self.ctx.close(f"{where} grad norm", total.sqrt(), ref_total.sqrt(), self.tol.grad)
+        self.trace.begin(where)  # the diagnosis's, where it runs: the grads as the step is about to use them
+        self.trace.grads({p: params[p] for p in self.plans}, {p: masters[p] for p in self.plans})
 
     def _check_params(self, where: str) -> None:
         masters = dict(self.reference.master.named_parameters())
         for path, param in self.model.named_parameters():
             self.ctx.close(f"{where} param {path}", full(param), masters[path], self.tol.grad)
+        self.trace.params(dict(self.model.named_parameters()), masters)
+        self.trace.begin(None)  # what runs before the next forward has no baseline step beside it
 
     def _state_dict_round_trip(self, where: str) -> None:
         """A state dict taken now holds the sharded params (the reference's values); loading it

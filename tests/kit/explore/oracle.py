@@ -51,7 +51,9 @@ from tests.kit.judging.recorder import CollectiveRecorder, record_collectives
 from tests.kit.judging.reference import full
 from tests.kit.judging.surface import impl
 from tests.kit.judging.tolerances import Tolerance, tolerance
+from tests.kit.judging.trace import traced
 from tests.kit.runtime.devices import compute_device
+from tests.kit.runtime.rank_runtime import keep
 
 
 class Example(Invariants, Timing, Received, SetUps):
@@ -229,6 +231,7 @@ class Example(Invariants, Timing, Received, SetUps):
         if self._layout_broken():
             return  # training on a wrong layout only repeats the failure, or raises and hides it
         opts = self._optimizer(self.model.parameters()), self._optimizer(self.reference.master.parameters())
+        self.trace = traced(self.model, self.reference)  # the diagnosis's (tests.kit.judging.divergence)
         steps = self.config.steps
         for index, step in enumerate(steps):
             if step.reset_iter_state:  # nothing in flight here: it only reshards
@@ -336,8 +339,7 @@ class Example(Invariants, Timing, Received, SetUps):
                 self._reshard_control(setter, *control)
 
     def _reshard_control(self, setter: str, index: int, flag: bool) -> None:
-        """A reshard setter on call ``index`` alone (``recurse=False``), or on the root for every
-        call (index -1, the default ``recurse=True``)."""
+        """A reshard setter on call ``index`` alone (``recurse=False``), or on the root for all (index -1)."""
         settings = self.reshard_after_forward if setter == "set_reshard_after_forward" else self.reshard_after_backward
         if index < 0:
             getattr(self.hsdp_modules[-1][0], setter)(flag)
@@ -349,6 +351,7 @@ class Example(Invariants, Timing, Received, SetUps):
 
     def _micro(self, step_index: int, micro: int, step: Any, syncs: bool) -> None:
         where = f"step {step_index} micro {micro}"
+        self.trace.begin(where)
         root = self.hsdp_modules[-1][0]
         last = micro == len(step.micro) - 1
         if step.hold_with_last_backward:
@@ -399,8 +402,7 @@ class Example(Invariants, Timing, Received, SetUps):
             self._state_dict_round_trip(f"{where} after backward")
 
     def _forward(self, step: Any, args: tuple, kwargs: dict, where: str) -> tuple[Any, CollectiveRecorder]:
-        """The model's forward (or its registered method) with its collectives recorded and the
-        prefetch timing checked as each sharded module starts."""
+        """The model's forward (or its registered method), its collectives recorded, prefetch timing checked."""
         with record_collectives() as forward:
             self._recording_forward, self._forward_rec, self._where = True, forward, where
             self.started, self.finished = [], []
@@ -444,7 +446,5 @@ def run_example(config_json: str) -> dict[str, Any]:
     except PreconditionFailed:
         pass
     finally:
-        from tests.kit.runtime.rank_runtime import keep
-
         keep(case_ctx=ctx, l4_config=config)
     return ctx.result()

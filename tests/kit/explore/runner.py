@@ -133,6 +133,7 @@ class Exploration:
     budget_spent: bool = False
     covering: int = 0  # configurations of the covering phase run (before the draws)
     pairs: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (covered, possible)
+    diagnosis: Any = None  # the minimal failing configuration's first divergence (explore.diagnosis)
 
     @property
     def passed(self) -> bool:
@@ -155,10 +156,18 @@ class Exploration:
         if self.passed:
             return head + ": no failure"
         size = self.minimal.config.size()
+        where = f"; diagnosis: {self.diagnosis.line()}" if self.diagnosis is not None else ""
         return (
             f"{head}: FAIL, shrunk to {size['groups']} group(s), {size['steps']} step(s), world {size['world']} "
-            f"({self.minimal.id}, saved {self.saved}): {self.minimal.failure[:600]}"
+            f"({self.minimal.id}, saved {self.saved}): {self.minimal.failure[:600]}{where}"
         )
+
+    def diagnose(self, cluster: RankCluster) -> None:
+        """Diagnose the minimal failing configuration (once shrunk), unless ``HPKIT_DIAGNOSE=0``."""
+        from tests.kit.explore.diagnosis import diagnose_config, diagnosis_wanted
+
+        if self.minimal is not None and diagnosis_wanted():
+            self.diagnosis = diagnose_config(cluster, self.minimal.config, self.minimal.id)
 
 
 def explore(
@@ -188,6 +197,7 @@ def explore(
         found.examples += len(cache) - 1
         found.saved = save(found.minimal, save_dir)
         stages.finish()
+        found.diagnose(cluster)
         return found
 
     @settings(settings.get_profile(profile), max_examples=examples)
@@ -212,6 +222,7 @@ def explore(
         found.failures_seen = len(failing)
         found.saved = save(found.minimal, save_dir)
     stages.finish()
+    found.diagnose(cluster)
     return found
 
 

@@ -200,6 +200,8 @@ def verdict_text(verdict: Verdict) -> str:
     it decides; measured values it does not decide are masked (``err=``, ``⟨...⟩``) or left out."""
     head = f"{verdict.case.id} {verdict.case.name} [{verdict.case.world_size} ranks, {verdict.case.config}]"
     lines = [f"{head}: {verdict.status}"]
+    if verdict.diagnosis is not None:  # where it went wrong first, its numbers masked
+        lines.append("  diagnosis: " + _DECIMAL.sub(lambda number: seen(number.group(0)), verdict.diagnosis.line()))
     for row in judge_plan(verdict):
         count = f"[{row.checks} checks]" if row.assertion.judged_by == "checks" else f"[{row.assertion.judged_by}]"
         lines.append(f"  plan {row.status}: {row.assertion.says} {count}")
@@ -214,6 +216,24 @@ def verdict_text(verdict: Verdict) -> str:
         limit = f"tol={tol:g}" if tol is not None else ""
         lines.append("  " + "  ".join(part for part in ("pass" if passed else "FAIL", name, shown, limit) if part))
     return "\n".join(lines)
+
+
+def diagnose(cluster: RankCluster, case_id: str, timeout: float = 0) -> Any:
+    """Where a case goes wrong, on the warm cluster: its first divergence from the baseline, module
+    by module and rank by rank, with the picture (``tests.kit.front.diagnose``); the trace stays on
+    each engine as ``case_trace`` for ``%%px``."""
+    from tests.kit.front.diagnose import notebook_diagnose
+
+    return notebook_diagnose(cluster, case_id, timeout)
+
+
+def show_diagnoses(verdicts: list[Verdict]) -> None:
+    """Each failed case's diagnosis (its line and picture); nothing where every case passed."""
+    from tests.kit.front.diagnose import show
+
+    for verdict in verdicts:
+        if verdict.diagnosis is not None:
+            show(verdict.diagnosis)
 
 
 def print_verdicts(verdicts: list[Verdict]) -> None:
@@ -305,7 +325,13 @@ def summarize(verdict: Verdict) -> dict[str, Any]:
         "grad_error": grad_err,
         "grad_tol": grad_tol,
         "seconds": round(verdict.seconds, 3),
+        "diagnosis": None if verdict.diagnosis is None else _diagnosis_summary(verdict.diagnosis),
     }
+
+
+def _diagnosis_summary(diagnosis: Any) -> dict[str, Any]:
+    """The diagnosis without its per-tensor rows (the sweep's JSON keeps those in a file of their own)."""
+    return {k: v for k, v in diagnosis.to_json().items() if k != "modules"}
 
 
 def write_results(verdicts: list[Verdict], path: str) -> None:

@@ -61,3 +61,25 @@ def specific(name: str) -> float:
         return SPECIFIC[name]
     except KeyError:
         raise KeyError(f"no case-specific tolerance {name!r}; known: {sorted(SPECIFIC)}") from None
+
+
+@dataclass(frozen=True)
+class DivergenceThreshold:
+    """How the diagnosis (``tests.kit.judging.divergence``) tells a bug from round-off, per traced tensor.
+
+    The baseline is run a second time with each module output and output grad moved by
+    ``perturbation`` roundings (``finfo(dtype).eps``) of the dtype the model under test computes
+    that tensor in; how far the baseline's tensor then moves, relative to its norm, is the tensor's
+    noise. A tensor diverges where its relative error against the baseline exceeds ``k`` times its
+    noise, and never below ``k`` roundings of its dtype (a tensor the perturbation barely moves)."""
+
+    perturbation: float
+    k: float
+
+
+# One rounding is the size of the difference an honest reordering of the arithmetic makes at
+# each module. k: an honest run's error is the same order as the noise (summation order, not a
+# bug), a bug's is orders above it; k is set from the measured ratios of unmutated ours and of
+# torch FSDP2 over every L1-L3 precision case (docs/diagnosis.md: the largest honest ratio, and
+# the smallest ratio of a bug the mutants plant).
+DIAGNOSIS = DivergenceThreshold(perturbation=1.0, k=64.0)

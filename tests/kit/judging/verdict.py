@@ -10,14 +10,17 @@ The verdict renders as a text table (pytest failure messages, logs) and as HTML 
 from __future__ import annotations
 
 import html
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from tests.kit.judging.case import Case, Check, ImplementationRefused, case_by_id, run_on_rank
+from tests.kit.judging.divergence import NOT_RUN, Diagnosis, diagnose
 from tests.kit.runtime.cluster import RankCluster, RankFailure
 
 STATUSES = ("PASS", "FAIL", "UNSUPPORTED", "ERROR", "TIMEOUT", "DIED")
+DIAGNOSE_ENV = "HPKIT_DIAGNOSE"  # "0": a FAIL is not diagnosed (the mutants harness, which only counts kills)
 
 
 @dataclass
@@ -35,6 +38,7 @@ class Verdict:
     seconds: float = 0.0
     leak: str | None = None  # set when the case failed warm but passes alone on fresh engines
     notes: list[str] = field(default_factory=list)  # parts of the case that did not run, and why
+    diagnosis: Diagnosis | None = None  # a FAIL's first divergence (tests.kit.judging.divergence)
 
     @property
     def plan_checks(self) -> list[Check]:
@@ -118,6 +122,8 @@ class Verdict:
     def report(self) -> str:
         """Summary, the failing rows (or all rows), and the run failure if any."""
         parts = [self.summary()]
+        if self.diagnosis is not None:
+            parts.append(f"diagnosis: {self.diagnosis.line()}")
         if self.leak:
             parts.append(self.leak)
         parts.extend(f"note: {note}" for note in self.notes)
@@ -239,10 +245,13 @@ def judge_case(
 ) -> Verdict:
     """Run a case on fresh engines (``isolate``) or on the warm ones; a case that fails warm is run
     again alone on fresh engines, and if it passes there the verdict says that state leaks between
-    cases (it stays failed: an implementation must survive several cases per process)."""
+    cases (it stays failed: an implementation must survive several cases per process).
+
+    A FAIL is then diagnosed (``tests.kit.judging.divergence``: two more runs of the case, traced),
+    unless ``HPKIT_DIAGNOSE=0``; its verdict leads with the first divergence."""
     if isolate:
         cluster.renew()
-        return run_case(cluster, case_id, timeout, backend)
+        return _diagnosed(cluster, run_case(cluster, case_id, timeout, backend), timeout)
     verdict = run_case(cluster, case_id, timeout, backend)
     if verdict.status in ("FAIL", "ERROR", "TIMEOUT") and cluster.cluster is not None:
         cluster.renew()
@@ -252,4 +261,13 @@ def judge_case(
                 f"state leaks between cases: {case_id} {verdict.status} after other cases on warm engines, "
                 f"PASS alone on fresh engines ({alone.seconds:.1f} s)"
             )
+    return _diagnosed(cluster, verdict, timeout)
+
+
+def _diagnosed(cluster: RankCluster, verdict: Verdict, timeout: float | None) -> Verdict:
+    """The verdict with its diagnosis, where it failed its checks (not a leak: alone it passes)."""
+    if verdict.status == "FAIL" and not verdict.leak and os.environ.get(DIAGNOSE_ENV, "1") != "0":
+        diagnosis = diagnose(cluster, verdict.case.id, timeout)
+        if diagnosis.exit_status != NOT_RUN:  # a case with nothing traced keeps its plain verdict
+            verdict.diagnosis = diagnosis
     return verdict

@@ -89,6 +89,8 @@ def _cases(rows: list[dict[str, Any]]) -> str:
         back = STATUS_COLOURS.get(r["status"], ("#ffffff", ""))[0]
         extras = "" if not r.get("extras") else ("extras pass" if r.get("extras_passed") else "<b>extras FAIL</b>")
         detail = r.get("first_failure") or r.get("failure") or ""
+        if r.get("diagnosis"):  # where it went wrong first, above the check that failed
+            detail = f"{r['diagnosis']['line']}\n{detail}"
         notes = "".join(f"<div class='note'>note: {html.escape(n)}</div>" for n in r.get("notes") or [])
         lines.append(
             f"<tr style='background:{back}'><td>{_case_link(r)}</td><td>{html.escape(r['name'])}</td>"

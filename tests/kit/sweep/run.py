@@ -113,7 +113,9 @@ def _render(row: dict[str, Any], notebook: Path, page: Path, results: Path, run_
         "verdict summary (.json)": results.name,
     }
     try:
-        failing = tagged_output_html(notebook, "verdict-table") if row["status"] != "PASS" else ""
+        failing = ""
+        if row["status"] != "PASS":  # where it went wrong first, then the failing rows
+            failing = tagged_output_html(notebook, "diagnosis") + tagged_output_html(notebook, "verdict-table")
         plan = tagged_output_html(notebook, "plan-table") + tagged_output_html(notebook, "plan-figures")
         render_notebook(notebook, page, case_banner(row, links, failing, plan))
     except Exception as exc:  # noqa: BLE001 - the notebook stays the evidence; the index says why

@@ -23,6 +23,7 @@ from tests.kit.judging.recorder import CollectiveRecorder, record_collectives
 from tests.kit.judging.reference import SameDtypeReference, full, gather_from, named_params
 from tests.kit.judging.surface import impl
 from tests.kit.judging.tolerances import Tolerance
+from tests.kit.judging.trace import Tracer, Untraced, traced
 from tests.kit.workloads.models import DIMS, rank_batches
 
 
@@ -248,6 +249,7 @@ def _check_grads_and_step(
     params: bool,
     global_norms: GradNorms | None = None,
     part: bool = False,
+    tracer: Tracer | Untraced | None = None,
 ) -> None:
     """Grad norm and element-wise grads against the reference, one optimizer step on both, params.
     ``model``: the model, or its params by name (``part``: a part of the model, whose norm is not the
@@ -257,7 +259,10 @@ def _check_grads_and_step(
     label = "grad norm of this rank's part" if part else "grad norm"
     ctx.close(f"{prefix} {label}", grad_norm(model), grad_norm(reference), tol.grad)
     record_grads(ctx, prefix, model, reference, tol.grad)
+    tracer = tracer or Untraced()
+    tracer.grads(named_params(model), named_params(reference))
     step_optimizers(opts)
+    tracer.params(named_params(model), named_params(reference))
     if params:
         record_params(ctx, prefix, model, reference, tol.grad)
 
@@ -304,7 +309,9 @@ def train_against(
     references = _reference_params(reference, stepped)
     model_step = model_step or _forward_backward(loss_fn)
     prefix = f"{label} " if label else ""
+    tracer = traced(model, reference)  # the diagnosis's (tests.kit.judging.divergence); else does nothing
     for step, batch in enumerate(batches):
+        tracer.begin(f"{prefix}step {step}")
         ref_loss = _reference_step(reference, loss_fn, batch)
         if before_step is not None:
             before_step(step)
@@ -321,9 +328,12 @@ def train_against(
         ctx.step(f"{prefix}loss", loss, ref_loss)
         ctx.close(f"{prefix}step {step} loss", loss, ref_loss, tol.loss)
         where = f"{prefix}step {step}"
-        _check_grads_and_step(ctx, where, stepped, references, opts, tol, params, global_norms, names is not None)
+        _check_grads_and_step(
+            ctx, where, stepped, references, opts, tol, params, global_norms, names is not None, tracer
+        )
         if trajectory is not None:
             _keep(trajectory, f"step {step} after the optimizer", None, stepped, grads=False)
+    tracer.begin(None)  # what the case does with the model afterwards has no baseline step beside it
     return opts
 
 
@@ -391,8 +401,10 @@ def train_accumulating_against(
     stepped = named_params(model)  # the params the optimizer steps
     references = _reference_params(reference, stepped)
     prefix = f"{label} " if label else ""
+    tracer = traced(model, reference)
     for step, micro_batches in enumerate(step_batches):
         for micro, batch in enumerate(micro_batches):
+            tracer.begin(f"{prefix}step {step} micro {micro}")
             last = micro == len(micro_batches) - 1
             sync = last or (sync_micro is not None and sync_micro(micro))
             ref_loss = _reference_step(reference, loss_fn, batch, sync=sync)
@@ -404,5 +416,6 @@ def train_accumulating_against(
             ctx.close(f"{prefix}step {step} micro {micro} loss", loss, ref_loss, tol.loss)
             if after_micro is not None:
                 after_micro(step, micro, recorder)
-        _check_grads_and_step(ctx, f"{prefix}step {step}", stepped, references, opts, tol, params=True)
+        _check_grads_and_step(ctx, f"{prefix}step {step}", stepped, references, opts, tol, True, tracer=tracer)
+    tracer.begin(None)
     return opts

@@ -19,6 +19,7 @@ from tests.kit.judging.recorder import CollectiveRecorder, record_collectives
 from tests.kit.judging.reference import ddp_of, full, gather_from
 from tests.kit.judging.surface import impl
 from tests.kit.judging.tolerances import specific
+from tests.kit.judging.trace import traced
 from tests.kit.workloads.models import DIMS, MLP, rank_batch, rank_batches
 from tests.kit.workloads.training import (
     differs_across_ranks,
@@ -198,6 +199,8 @@ def set_requires_all_reduce(ctx: CaseContext) -> None:
         model, ddp, replica_ddp = build(), ddp_of(template), ddp_of(template, process_group=shards)
         model.set_requires_all_reduce(False, recurse=False)
         label = "root recurse=False"
+        trace = traced(model, ddp)  # the diagnosis's: the root's own grads are traced against replica_ddp's
+        trace.begin(label)
         with record_collectives() as rec:
             square_mean(model, batches[0]).backward()
         for reference in (ddp, replica_ddp):
@@ -208,6 +211,10 @@ def set_requires_all_reduce(ctx: CaseContext) -> None:
         replicas_agree(label, model, children)
         record_grads(ctx, f"{label} root's own vs DDP over the replica group", model, replica_ddp, tol.grad, ROOT_OWN)
         record_grads(ctx, f"{label} children's vs DDP over all ranks", model, ddp, tol.grad, children)
+        ours = named_params(model)
+        trace.grads(ours, {n: p for n, p in named_params(ddp).items() if n in children})
+        trace.grads(ours, {n: p for n, p in named_params(replica_ddp).items() if n in ROOT_OWN})
+        trace.begin(None)
 
     ctx.run_part("recurse=False", ("recurse_false",), root_only)
 
@@ -246,12 +253,14 @@ def set_reduce_op_type(ctx: CaseContext) -> None:
     shard_nested(model, model.layers, mesh=ctx.mesh)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     ref_opt = torch.optim.Adam(ddp.parameters(), lr=LR)
+    trace = traced(model, ddp)  # the diagnosis's, when it runs the case
     for step, op in enumerate(REDUCE_OP_PLAN):
         where = f"step {step} {op or 'default'}"
         if op is not None:
             model.set_reduce_op_type(op)
         scale = world if op == "sum" else 1
         batch = rank_batch(step, ctx.rank, (4, DIMS[0]))
+        trace.begin(where)
         ref_loss = square_mean(ddp, batch)
         ref_loss.backward()
         loss = square_mean(model, batch)
@@ -266,13 +275,16 @@ def set_reduce_op_type(ctx: CaseContext) -> None:
         with torch.no_grad():
             for param in refs.values():
                 param.grad.mul_(scale)  # the baseline optimizer is fed the same grads
+        trace.grads(named_params(model), refs)
         step_optimizers((opt, ref_opt))
+        trace.params(named_params(model), refs)
         for name, param in named_params(model).items():
             state, ref_state = opt.state[param], ref_opt.state[refs[name]]
             for key in ("exp_avg", "exp_avg_sq"):
                 whole = impl.full_like(state[key], param)
                 ctx.close(f"{where} optimizer {key} {name}", whole, ref_state[key], tol.grad)
         record_params(ctx, where, model, ddp, tol.grad)
+    trace.begin(None)
 
 
 ACCUMULATED = 3  # backwards accumulated before zero_grad: two reduced, the last held back unreduced
@@ -296,8 +308,10 @@ def zero_grad(ctx: CaseContext) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     ref_opt = torch.optim.Adam(ddp.parameters(), lr=LR)
     tol = ctx.tol
+    trace = traced(model, ddp)  # the diagnosis's: the steps with a baseline step beside them
     for round_, set_to_none in enumerate((True, False)):
         where = f"round {round_} zero_grad(set_to_none={set_to_none})"
+        trace.begin(None)
         micro = [rank_batch(10 * round_ + i, ctx.rank, (4, DIMS[0])) for i in range(ACCUMULATED + 1)]
         for i, batch in enumerate(micro[:ACCUMULATED]):
             model.set_requires_gradient_sync(i < ACCUMULATED - 1)  # the last one stays unreduced
@@ -323,6 +337,7 @@ def zero_grad(ctx: CaseContext) -> None:
             ctx.equal(f"{where}: {name} data unchanged", full(param), snapshot[name])
 
         fresh = micro[ACCUMULATED]
+        trace.begin(f"round {round_} next step")
         ref_loss = square_mean(ddp, fresh)
         ref_loss.backward()
         loss = square_mean(model, fresh)
@@ -330,8 +345,11 @@ def zero_grad(ctx: CaseContext) -> None:
         ctx.close(f"{where} next step loss", loss, ref_loss, tol.loss)
         ctx.close(f"{where} next step grad norm", grad_norm(model), grad_norm(ddp), tol.grad)
         record_grads(ctx, f"{where} next step (fresh, = one-step DDP)", model, ddp, tol.grad)
+        trace.grads(named_params(model), named_params(ddp))
         step_optimizers((opt, ref_opt))
+        trace.params(named_params(model), named_params(ddp))
         record_params(ctx, f"{where} after the step", model, ddp, tol.grad)
+    trace.begin(None)
 
 
 @case(

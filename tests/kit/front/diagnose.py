@@ -1,0 +1,163 @@
+"""The diagnosis where a user meets it: its picture, its notebook call and its command line.
+
+``python -m tests.kit.diagnose CASE_ID [--implementation SPEC] [--json PATH] [--figure PATH]``
+diagnoses one case on a cluster of its own and prints the first divergence; exit status 0 with no
+divergence, 1 with one, 2 when the case could not be diagnosed (``tests.kit.judging.divergence``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import math
+import os
+import sys
+from typing import Any
+
+from tests.kit.judging.divergence import NOT_RUN, Diagnosis, diagnose
+from tests.kit.judging.trace import PHASES
+from tests.kit.runtime.cluster import RankCluster
+
+PANELS = (("forward", ("forward",)), ("backward", ("backward",)), ("grads and params", ("reduction", "optimizer")))
+_FLOOR = 1e-4  # ratios below this are drawn at it (an exact agreement is 0 on a log scale)
+
+
+def _panel_tensors(diagnosis: Diagnosis, phases: tuple[str, ...]) -> list[Any]:
+    """The panel's tensors: of the first divergence's step (or the first step), in execution order."""
+    first = diagnosis.first
+    step = first.step if first is not None else (diagnosis.tensors[0].step if diagnosis.tensors else "")
+    return [t for t in diagnosis.tensors if t.step == step and t.phase in phases]
+
+
+def figure(diagnosis: Diagnosis) -> Any:
+    """error / threshold per traced tensor in execution order, one panel per phase, one line per
+    rank; the threshold is the line at 1, the first divergence is marked with a red ring."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(15, 4.2), sharey=True)
+    ranks = sorted({r for t in diagnosis.tensors for r in t.errors})
+    first = diagnosis.first
+    for ax, (title, phases) in zip(axes, PANELS, strict=True):
+        tensors = _panel_tensors(diagnosis, phases)
+        for rank in ranks:  # later ranks drawn thinner, so a rank hidden under another still shows
+            ys = [_drawn(t.ratio(rank)) for t in tensors]
+            width = max(0.6, 2.4 - 0.5 * rank)
+            ax.plot(range(len(tensors)), ys, marker="o", markersize=3 + width, linewidth=width, label=f"rank {rank}")
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.axhspan(1.0, 1e7, color="#fde2e2", zorder=0)  # the diverging side of the threshold
+        if first is not None and first in tensors:
+            x = tensors.index(first)
+            worst = max(_drawn(first.ratio(r)) for r in first.diverging_ranks)
+            ax.scatter([x], [worst], s=220, facecolors="none", edgecolors="red", linewidths=2, zorder=5)
+            ax.annotate("first divergence", (x, worst), textcoords="offset points", xytext=(10, -14), color="red")
+        ax.set_yscale("log")
+        ax.set_ylim(_FLOOR / 2, 1e7)
+        ax.set_title(f"{title} ({tensors[0].step})" if tensors else f"{title} (nothing traced)")
+        ax.set_xticks(range(len(tensors)))
+        ax.set_xticklabels([_label(t) for t in tensors], rotation=90, fontsize=6)
+        ax.set_xlabel("in execution order")
+    axes[0].set_ylabel("error / threshold (diverges above 1)")
+    axes[-1].legend(loc="upper right", fontsize=7)
+    verdict = "no divergence" if first is None else f"first divergence: {first.phase} {first.module or '(root)'}"
+    fig.suptitle(f"{diagnosis.case} on {diagnosis.implementation or 'ours'}: {verdict}")
+    fig.tight_layout()
+    return fig
+
+
+def _drawn(ratio: float | None) -> float:
+    if ratio is None:
+        return math.nan
+    return 1e6 if not math.isfinite(ratio) else max(ratio, _FLOOR)
+
+
+def _label(tensor: Any) -> str:
+    where = tensor.module or "(root)"
+    return where if tensor.phase in ("forward", "backward") else f"{where}.{tensor.tensor}"
+
+
+def html_line(diagnosis: Diagnosis) -> str:
+    """The diagnosis's line as a coloured banner (a notebook's or a case page's first line)."""
+    colour = {0: "#e6f4ea", 1: "#fde2e2", NOT_RUN: "#fff4d6"}[diagnosis.exit_status]
+    return (
+        f"<div style='background:{colour};padding:6px 10px;border-left:4px solid #444;font-family:monospace'>"
+        f"<b>diagnosis</b>: {html.escape(diagnosis.line())}</div>"
+    )
+
+
+def diverging_table(diagnosis: Diagnosis, limit: int = 12) -> str:
+    """The first diverging tensors as text, in execution order: where, ranks, error, threshold."""
+    rows = [t for t in diagnosis.tensors if t.diverging_ranks][:limit]
+    lines = []
+    for t in rows:
+        rank = t.diverging_ranks[0]
+        lines.append(
+            f"  {t.where}: ranks {','.join(map(str, t.diverging_ranks))}, "
+            f"error {t.errors[rank]:.2e}, threshold {t.thresholds[rank]:.2e}"
+        )
+    return "\n".join(lines)
+
+
+def show(diagnosis: Diagnosis) -> Diagnosis:
+    """In a notebook: the line, the picture, the first diverging tensors."""
+    from IPython.display import HTML, display
+
+    display(HTML(html_line(diagnosis)))
+    if diagnosis.tensors:
+        display(figure(diagnosis))
+        import matplotlib.pyplot as plt
+
+        plt.close("all")
+    table = diverging_table(diagnosis)
+    if table:
+        print("diverging tensors, in execution order:\n" + table)
+    return diagnosis
+
+
+def notebook_diagnose(cluster: RankCluster, case_id: str, timeout: float = 0) -> Diagnosis:
+    """``nb.diagnose(cluster, "L3-01")``: diagnose a case on the warm cluster and show it. The trace
+    stays on each engine as ``case_trace`` (``%%px``: ``case_trace.tensor("step 0 forward layers.0 output")``)."""
+    return show(diagnose(cluster, case_id, timeout=timeout or None))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.kit.diagnose",
+        description="Trace a case against its baseline, tensor by tensor, and name its first divergence.",
+    )
+    parser.add_argument("case", help="a case id, e.g. L3-01")
+    parser.add_argument("--implementation", default="", help="a spec (docs/judging.md#specs); '' is ours")
+    parser.add_argument("--json", default="", metavar="PATH", help="write the diagnosis as JSON here")
+    parser.add_argument("--figure", default="", metavar="PATH", help="write the picture here (PNG or SVG)")
+    parser.add_argument("--engines", type=int, default=4, help="ranks of the cluster (default 4)")
+    parser.add_argument("--timeout", type=float, default=0, help="bound of each run (default: the case's own)")
+    args = parser.parse_args(argv)
+    from tests.kit.judging.case import case_by_id, load_plan_cases
+    from tests.kit.judging.surface import parse_spec
+
+    load_plan_cases()
+    try:
+        spec = case_by_id(args.case)
+        if spec.world_size > args.engines:
+            raise ValueError(f"{spec.id} needs {spec.world_size} ranks; --engines is {args.engines}")
+        implementation = str(parse_spec(args.implementation)) if args.implementation else ""
+        os.environ.setdefault("IPP_NONINTERACTIVE", "1")
+        cluster = RankCluster.start(args.engines, implementation=implementation or None)
+    except (KeyError, ValueError) as exc:
+        print(f"diagnose: {exc}", file=sys.stderr)
+        return NOT_RUN
+    try:
+        diagnosis = diagnose(cluster, spec.id, timeout=args.timeout or None)
+    finally:
+        cluster.stop()
+    print(diagnosis.line())
+    table = diverging_table(diagnosis)
+    if table:
+        print("diverging tensors, in execution order:\n" + table)
+    if args.json:
+        diagnosis.write_json(args.json)
+    if args.figure and diagnosis.tensors:
+        figure(diagnosis).savefig(args.figure, dpi=110)
+    return diagnosis.exit_status
+
+
+__all__ = ["PHASES", "figure", "html_line", "main", "notebook_diagnose", "show"]

@@ -1,0 +1,183 @@
+"""The diagnosis (``tests.kit.judging.trace``, ``tests.kit.judging.divergence``): its arithmetic and
+its tracer in this process, then two planted bugs and an honest run diagnosed on the cluster."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import tests.kit_tests._test_kit_faults  # noqa: F401 - registers the KIT cases
+from tests.kit.judging.divergence import AGREES, DIVERGES, NOT_RUN, Diagnosis, Tensor, diagnose, merge, threshold
+from tests.kit.judging.tolerances import DIAGNOSIS
+from tests.kit.judging.trace import Key, Tracer, aligned, relative_error, tracing
+from tests.kit.judging.verdict import judge_case
+
+EPS32 = torch.finfo(torch.float32).eps
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_relative_error_is_zero_for_equal_tensors_and_infinite_for_nan() -> None:
+    a = torch.tensor([3.0, 4.0])
+    assert relative_error(a, a.clone()) == 0.0
+    assert relative_error(a + torch.tensor([0.0, 0.5]), a) == pytest.approx(0.1)
+    assert relative_error(torch.tensor([float("nan"), 1.0]), a) == math.inf
+    assert relative_error(torch.ones(2), torch.zeros(2)) == math.inf
+
+
+def test_a_whole_batch_baseline_is_cut_to_the_rank_rows() -> None:
+    ref = torch.arange(12.0).reshape(6, 2)
+    assert torch.equal(aligned(ref[2:4], ref, rank=1, world=3), ref[2:4])
+    assert aligned(torch.zeros(4, 2), ref, rank=0, world=3) is None  # nothing lines up
+
+
+def test_threshold_is_k_noises_and_never_under_one_rounding() -> None:
+    assert threshold(1e-3, "float32") == pytest.approx(DIAGNOSIS.k * 1e-3)
+    assert threshold(0.0, "float32") == EPS32
+    assert threshold(None, "bfloat16") == pytest.approx(DIAGNOSIS.k * torch.finfo(torch.bfloat16).eps)
+
+
+def _rows(errors: list[tuple[str, str, str, float | None]]) -> list[dict]:
+    return [
+        {"step": step, "phase": phase, "module": module, "tensor": "output", "error": error, "dtype": "float32"}
+        for step, phase, module, error in errors
+    ]
+
+
+def test_the_first_divergence_is_the_earliest_in_execution_order_over_every_rank() -> None:
+    rank0 = _rows([("step 0", "forward", "a", 0.0), ("step 0", "backward", "a", 1.0), ("step 1", "forward", "a", 1.0)])
+    rank1 = _rows([("step 0", "forward", "a", 0.5), ("step 0", "backward", "a", 1.0), ("step 1", "forward", "a", 1.0)])
+    noise = [[{**r, "noise": 1e-6} for r in rows] for rows in (rank0, rank1)]
+    diagnosis = Diagnosis("X", "", status="FAIL", tensors=merge([rank0, rank1], noise))
+    first = diagnosis.first_divergence()
+    assert (first["step"], first["phase"], first["module"], first["ranks"]) == ("step 0", "forward", "a", [1])
+    assert first["error"] == 0.5 and first["threshold"] == pytest.approx(DIAGNOSIS.k * 1e-6)
+    assert "everything before this agrees" in diagnosis.line() and diagnosis.exit_status == DIVERGES
+    data = json.loads(json.dumps(diagnosis.to_json()))
+    assert set(data) >= {"case", "implementation", "first_divergence", "modules"}
+    assert [m["phase"] for m in data["modules"]] == ["forward", "backward", "forward"]
+
+
+def test_no_divergence_and_not_run_have_their_own_exit_status() -> None:
+    agreeing = Tensor("step 0", "forward", "a", "output", {0: 1e-7}, {0: 1e-6})
+    assert Diagnosis("X", "", tensors=[agreeing]).exit_status == AGREES
+    assert Diagnosis("X", "", reason="it raised").exit_status == NOT_RUN
+    failing = Diagnosis("X", "", status="FAIL", tensors=[agreeing], first_failing_check="a check (rank 0)")
+    assert "fails outside them" in failing.line() and failing.first_divergence() is None
+
+
+def _train_one_step(model: nn.Module, reference: nn.Module, tracer: Tracer, x: torch.Tensor) -> None:
+    tracer.attach(model, reference)
+    tracer.begin("step 0")
+    for side in (reference, model):
+        side(x).square().mean().backward()
+    tracer.grads(dict(model.named_parameters()), dict(reference.named_parameters()))
+    tracer.begin(None)
+
+
+def test_the_tracer_finds_a_planted_forward_bug_and_measures_noise_of_the_baseline() -> None:
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = copy.deepcopy(reference)
+    model[1].register_forward_hook(lambda module, args, out: out * (1 + 1e-4))  # the bug: after layer 0
+    x = torch.randn(5, 6)
+    trace = Tracer("trace")
+    with tracing(trace):
+        _train_one_step(model, reference, trace, x)
+    model.zero_grad(), reference.zero_grad()
+    noise = Tracer("noise", earlier=trace)
+    with tracing(noise):
+        _train_one_step(model, reference, noise, x)
+    errors = {(r["phase"], r["module"], r["tensor"]): r["error"] for r in trace.rows()}
+    assert errors[("forward", "0", "output")] == 0.0
+    assert errors[("forward", "1", "output")] > 0.0
+    noises = {(r["phase"], r["module"]): r["noise"] for r in noise.rows()}
+    assert 0 < noises[("forward", "0")] <= 2 * EPS32  # one rounding, measured
+    diagnosis = Diagnosis("X", "", tensors=merge([trace.rows()], [noise.rows()]))
+    first = diagnosis.first_divergence()
+    assert (first["phase"], first["module"]) == ("forward", "1")
+
+
+def test_a_grad_the_model_never_got_diverges() -> None:
+    reference = nn.Linear(3, 2)
+    model = copy.deepcopy(reference)
+    trace = Tracer("trace")
+    with tracing(trace):
+        trace.attach(model, reference)
+        trace.begin("step 0")
+        reference(torch.ones(1, 3)).sum().backward()
+        model(torch.ones(1, 3)).sum().backward()
+        model.bias.grad = None  # the bug: its reduction never landed
+        trace.grads(dict(model.named_parameters()), dict(reference.named_parameters()))
+    errors = {r["tensor"]: r["error"] for r in trace.rows() if r["phase"] == "reduction"}
+    assert errors == {"bias.grad": math.inf, "weight.grad": 0.0}
+
+
+def test_a_paused_tracer_records_nothing_and_only_one_runs_at_a_time() -> None:
+    model = nn.Linear(2, 2)
+    tracer = Tracer("trace")
+    with tracing(tracer):
+        tracer.attach(model, copy.deepcopy(model))
+        model(torch.ones(1, 2))
+        with pytest.raises(RuntimeError, match="already active"), tracing(Tracer("trace")):
+            pass
+    assert tracer.order == [] and not model._forward_hooks  # paused, then detached on leaving
+    assert Key("s", "forward", "", "output").text() == "s forward (root) output"
+    with pytest.raises(ValueError, match="earlier"):
+        Tracer("noise")
+
+
+# -- on the cluster: the KIT cases of tests/kit_tests/_test_kit_faults.py ---------------------------
+@pytest.mark.parametrize(
+    ("case_id", "phase", "module", "tensor", "ranks"),
+    [
+        ("KIT-DIVERGE-FORWARD", "forward", "layers.1", "output", [1]),
+        ("KIT-DIVERGE-GRAD", "reduction", "layers.0", "weight.grad", [0, 1]),
+        ("KIT-WRONG-REF", "forward", "layers.2", "output", [0, 1]),
+    ],
+)
+def test_a_planted_bug_is_named_where_it_acts(cluster, case_id, phase, module, tensor, ranks) -> None:
+    diagnosis = diagnose(cluster, case_id)
+    first = diagnosis.first_divergence()
+    assert diagnosis.status == "FAIL", diagnosis.line()
+    assert first is not None, diagnosis.line()
+    assert (first["step"], first["phase"], first["module"], first["tensor"]) == ("step 0", phase, module, tensor)
+    assert first["ranks"] == ranks
+
+
+def test_an_honest_run_has_no_divergence_and_a_failing_verdict_leads_with_its_diagnosis(cluster) -> None:
+    honest = diagnose(cluster, "L0-01")
+    assert honest.status == "PASS" and honest.exit_status == AGREES, honest.line()
+    assert len(honest.tensors) > 10
+    verdict = judge_case(cluster, "KIT-DIVERGE-FORWARD")
+    assert verdict.diagnosis is not None
+    assert verdict.report().splitlines()[1].startswith("diagnosis: KIT-DIVERGE-FORWARD: first divergence at step 0")
+    assert diagnose(cluster, "KIT-OK").exit_status == NOT_RUN  # nothing traced: not diagnosed
+
+
+def test_an_l4_configuration_is_traced_and_ours_agrees_with_its_promise(cluster) -> None:
+    from tests.kit.explore.diagnosis import diagnose_config
+    from tests.kit.explore.runner import load
+
+    config = load(sorted((ROOT / "tests/kit/explore/regressions").glob("*.json"))[0])
+    diagnosis = diagnose_config(cluster, config, "regression")
+    assert diagnosis.status == "PASS" and diagnosis.exit_status == AGREES, diagnosis.line()
+    assert {t.phase for t in diagnosis.tensors} == {"forward", "backward", "reduction", "optimizer"}
+
+
+def test_on_fresh_engines_the_noise_run_is_handed_the_trace_run(cluster, monkeypatch) -> None:
+    """An implementation that needs fresh engines per run (upstream's) gets them: the trace run's
+    baseline is shipped to the noise run, which finds the same divergence."""
+    import tests.kit.judging.divergence as divergence
+
+    monkeypatch.setattr(divergence, "needs_fresh_engines", lambda cluster: True)
+    renewed = []
+    monkeypatch.setattr(cluster, "renew", lambda renew=cluster.renew: renewed.append(renew()))
+    first = diagnose(cluster, "KIT-DIVERGE-GRAD").first_divergence()
+    assert len(renewed) == 2 and first is not None
+    assert (first["phase"], first["module"], first["tensor"]) == ("reduction", "layers.0", "weight.grad")
