@@ -19,6 +19,7 @@ from tests.kit.judging.trace import PHASES
 from tests.kit.runtime.cluster import RankCluster
 
 PANELS = (("forward", ("forward",)), ("backward", ("backward",)), ("grads and params", ("reduction", "optimizer")))
+DIAGNOSIS_CLASS = "hpkit-diagnosis"  # the line's block: a case page shows it once
 _FLOOR = 1e-4  # ratios below this are drawn at it (an exact agreement is 0 on a log scale)
 
 
@@ -79,7 +80,8 @@ def html_line(diagnosis: Diagnosis) -> str:
     """The diagnosis's line as a coloured banner (a notebook's or a case page's first line)."""
     colour = {0: "#e6f4ea", 1: "#fde2e2", NOT_RUN: "#fff4d6"}[diagnosis.exit_status]
     return (
-        f"<div style='background:{colour};padding:6px 10px;border-left:4px solid #444;font-family:monospace'>"
+        f"<div class='{DIAGNOSIS_CLASS}' style='background:{colour};padding:6px 10px;border-left:4px solid #444;"
+        "font-family:monospace'>"
         f"<b>diagnosis</b>: {html.escape(diagnosis.line())}</div>"
     )
 

@@ -236,7 +236,7 @@ def case_banner(row: dict[str, Any], links: dict[str, str], failing_rows: str, p
     ]
     if row["status"] != "PASS":
         first = row.get("first_failure") or row.get("failure") or ""
-        if row.get("diagnosis"):  # where it went wrong first leads the page
+        if row.get("diagnosis") and "hpkit-diagnosis" not in failing_rows:  # else the notebook's block says it
             first = f"diagnosis: {row['diagnosis']['line']}\nfirst failing check: {first}"
         parts.append(f"<pre style='white-space:pre-wrap;margin:8px 0'>{html.escape(first)}</pre>")
         failing_rows = failing_rows.split("<details>", 1)[0]  # the folded list of every check stays below
