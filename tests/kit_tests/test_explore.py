@@ -53,8 +53,11 @@ class _FakeCluster:
     sharded child, to show that shrinking reaches the smallest such configuration."""
 
     n_engines = 4
+    implementation = ""
 
-    def run(self, fn, world, config_json, timeout):
+    def run(self, fn, world, config_json, *traced, timeout):
+        if traced:  # the diagnosis's run of the minimal configuration: it traces nothing here
+            return [{"result": answer, "rows": []} for answer in self.run(fn, world, config_json, timeout=timeout)]
         config = Config.from_json(config_json)
         bad = len(config.steps) > 1 and len(config.groups) > 1
         check = {
@@ -78,7 +81,7 @@ class _TwoDefectsCluster(_FakeCluster):
         config = Config.from_json(config_json)
         first = len(config.steps) > 1 and len(config.groups) > 1
         second = config.world == 3
-        check = _FakeCluster.run(self, fn, world, config_json, timeout)[0]["checks"][0]
+        check = _FakeCluster.run(self, fn, world, config_json, timeout=timeout)[0]["checks"][0]
         checks = []
         if first:
             checks.append({**check, "name": f"step {len(config.steps) - 1}: grads of body.0.weight", "passed": False})
@@ -93,7 +96,7 @@ class _PassingCluster(_FakeCluster):
     """Every configuration passes."""
 
     def run(self, fn, world, config_json, timeout):
-        check = _FakeCluster.run(self, fn, world, config_json, timeout)[0]["checks"][0]
+        check = _FakeCluster.run(self, fn, world, config_json, timeout=timeout)[0]["checks"][0]
         return [{"checks": [{**check, "passed": True}], "series": {}, "figures": {}, "notes": []}] * world
 
 
@@ -123,6 +126,8 @@ def test_a_failure_is_shrunk_to_a_minimal_configuration_and_saved(tmp_path):
     saved = json.loads(found.saved.read_text())
     assert Config.from_json(saved["config"]) == found.minimal.config
     assert load(found.saved) == found.minimal.config
+    # once shrunk it is diagnosed: here, where nothing is traced, it says why not
+    assert "not diagnosed" in found.diagnosis.line() and "diagnosis: L4" in found.summary()
 
 
 def test_the_covering_phase_holds_every_pair_of_features_its_pool_holds(tmp_path, monkeypatch):
