@@ -175,9 +175,11 @@ def test_on_fresh_engines_the_noise_run_is_handed_the_trace_run(cluster, monkeyp
     baseline is shipped to the noise run, which finds the same divergence."""
     import tests.kit.judging.divergence as divergence
 
+    warm = diagnose(cluster, "KIT-DIVERGE-GRAD").first_divergence()
     monkeypatch.setattr(divergence, "needs_fresh_engines", lambda cluster: True)
     renewed = []
     monkeypatch.setattr(cluster, "renew", lambda renew=cluster.renew: renewed.append(renew()))
     first = diagnose(cluster, "KIT-DIVERGE-GRAD").first_divergence()
     assert len(renewed) == 2 and first is not None
     assert (first["phase"], first["module"], first["tensor"]) == ("reduction", "layers.0", "weight.grad")
+    assert first == warm  # the same noise measured: the thresholds too

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from tests.kit.judging.checks import CaseContext
+from tests.kit.judging.trace import active
 
 Run = Callable[[CaseContext, bool], dict[str, torch.Tensor]]
 
@@ -21,6 +22,9 @@ def rerun_bitwise(ctx: CaseContext, run: Run, label: str = "") -> None:
     prefix = f"{label} " if label else ""
     torch.manual_seed(0)
     first = run(ctx, True)
+    tracer = active()
+    if tracer is not None and tracer.mode == "noise":
+        return  # the diagnosis's noise run measures the baseline alone: the rerun has none
     scratch = CaseContext(ctx.case, ctx.rank, ctx.world_size, _meshes=ctx._meshes)
     torch.manual_seed(0)
     second = run(scratch, False)
