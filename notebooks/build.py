@@ -112,7 +112,7 @@ def build(level: str) -> nbformat.NotebookNode:
             "## Where a failed case went wrong\nFor a case that failed its checks: its first divergence from "
             "the baseline (step, phase, module, ranks), found by tracing both tensor by tensor and measuring each "
             "tensor's round-off noise (`tests/kit/judging/divergence.py`); the picture draws error / threshold per "
-            "module. Nothing here when every case passed. Any case, on demand: `nb.diagnose(cluster, \"L3-01\")`."
+            'module. Nothing here when every case passed. Any case, on demand: `nb.diagnose(cluster, "L3-01")`.'
         ),
         _code("nb.show_diagnoses(verdicts)", "diagnosis"),
         new_markdown_cell(
