@@ -103,6 +103,35 @@ def test_the_tracer_finds_a_planted_forward_bug_and_measures_noise_of_the_baseli
     assert (first["phase"], first["module"]) == ("forward", "1")
 
 
+def test_a_tensor_rounds_as_the_model_computes_it_unless_the_baseline_says_less_departs() -> None:
+    from tests.kit.judging.reference import SameDtypeReference
+
+    class Cast(nn.Module):  # what a mixed-precision policy does at a module's edges
+        def __init__(self, dtype: torch.dtype) -> None:
+            super().__init__()
+            self.dtype = dtype
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.to(self.dtype)
+
+    bf16_block = nn.Sequential(Cast(torch.bfloat16), nn.Linear(4, 4).bfloat16(), Cast(torch.float32))
+    model = nn.Sequential(nn.Linear(4, 4), bf16_block)
+    any_arithmetic = copy.deepcopy(model).float()  # another batch or mesh: the compute dtype's rounding
+    reduction_only = SameDtypeReference(nn.Linear(4, 4), torch.bfloat16, torch.float32)  # the reduce dtype's
+    for reference, fp32_part, bf16_part in (
+        (any_arithmetic, torch.float32, torch.bfloat16),
+        (reduction_only, torch.float32, torch.float32),
+    ):
+        trace = Tracer("trace")
+        with tracing(trace):
+            trace.attach(model, reference)
+            trace.begin("step 0")
+            model(torch.ones(2, 4))
+        dtypes = {key.module: dtype for key, dtype in trace.dtypes.items()}
+        assert dtypes["0"] == fp32_part  # computed in fp32 before any bf16
+        assert dtypes["1.2"] == dtypes["1"] == dtypes[""] == bf16_part  # fp32 outputs of bf16 compute
+
+
 def test_a_grad_the_model_never_got_diverges() -> None:
     reference = nn.Linear(3, 2)
     model = copy.deepcopy(reference)

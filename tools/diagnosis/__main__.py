@@ -18,7 +18,14 @@ from typing import Any
 
 from tests.kit.judging.divergence import diagnose
 from tools.diagnosis.accuracy import GROUND_TRUTH, mutated_engine, row
-from tools.diagnosis.survey import precision_cases, survey
+from tools.diagnosis.survey import survey
+
+
+def _cases(args: argparse.Namespace) -> list[Any]:
+    """The cases of ``--levels``, all or those of ``--cases``: the sweep's selection."""
+    from tests.kit.front.notebook import select
+
+    return select([level.strip() for level in args.levels.split(",") if level.strip()], args.cases)
 
 
 def _cluster(implementation: str, engines: int) -> Any:
@@ -30,8 +37,7 @@ def _cluster(implementation: str, engines: int) -> Any:
 def run_survey(args: argparse.Namespace, out: Path) -> int:
     cluster = _cluster(args.implementation, args.engines)
     try:
-        levels = tuple(level.strip() for level in args.levels.split(","))
-        rows = survey(cluster, precision_cases(args.cases, levels), out / "survey.json", args.failing_only)
+        rows = survey(cluster, _cases(args), out / "survey.json", args.failing_only)
     finally:
         cluster.stop()
     false_alarms = [r for r in rows if r["status"] == "PASS" and r["exit"] == 1]
@@ -96,7 +102,7 @@ def run_cost(args: argparse.Namespace, out: Path) -> int:
     cluster = _cluster(args.implementation, args.engines)
     rows = []
     try:
-        for spec in precision_cases(args.cases, tuple(level.strip() for level in args.levels.split(","))):
+        for spec in _cases(args):
             run_case(cluster, spec.id)  # warm: the first run of a case pays its imports
             own = run_case(cluster, spec.id).seconds
             diagnosed = diagnose(cluster, spec.id).seconds
@@ -124,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or f"runs/diagnosis-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     runs = {"survey": run_survey, "mutants": run_mutants, "known-defects": run_known_defects, "cost": run_cost}
-    return runs[args.what](args, out)
+    try:
+        return runs[args.what](args, out)
+    except ValueError as exc:  # an unknown level or case: said in one line, before any cluster starts
+        print(f"diagnosis: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.kit.judging.divergence import Diagnosis
-from tools.mutants.catalogue import MUTANTS, Mutant
+from tools.mutants.catalogue import by_id
 from tools.mutants.runner import apply_mutant
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,18 +74,11 @@ GROUND_TRUTH: dict[str, Where] = {
 }
 
 
-def mutant(mutant_id: str) -> Mutant:
-    found = [m for m in MUTANTS if m.id == mutant_id]
-    if not found:
-        raise KeyError(f"no mutant {mutant_id}")
-    return found[0]
-
-
 def mutated_engine(mutant_id: str) -> Path:
     """A copy of this checkout's engine package with the mutant's edit made (the caller removes it)."""
     root = Path(tempfile.mkdtemp(prefix=f"hpkit-diagnosis-{mutant_id}-"))
     shutil.copytree(REPO / "hyper_parallel", root / "hyper_parallel")
-    apply_mutant(root, mutant(mutant_id))
+    apply_mutant(root, by_id()[mutant_id])
     return root
 
 

@@ -9,23 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.kit.judging.case import Case, load_plan_cases
+from tests.kit.judging.case import Case
 from tests.kit.judging.divergence import Diagnosis, diagnose
 from tests.kit.runtime.cluster import RankCluster
-
-PRECISION_LEVELS = ("L1", "L2", "L3")
-
-
-def precision_cases(ids: str = "", levels: tuple[str, ...] = PRECISION_LEVELS) -> list[Case]:
-    """The cases of ``levels`` (L1-L3), or those of ``ids`` (comma-separated), in id order."""
-    registry = load_plan_cases()
-    wanted = [i.strip() for i in ids.split(",") if i.strip()]
-    if wanted:
-        missing = [i for i in wanted if i not in registry]
-        if missing:
-            raise ValueError(f"no cases {missing}")
-        return [registry[i] for i in wanted]
-    return sorted((c for c in registry.values() if c.id.split("-")[0] in levels), key=lambda c: c.id)
 
 
 def worst_ratio(diagnosis: Diagnosis) -> float | None:

@@ -3,13 +3,11 @@ reference, step, phase, module and ranks (``tests.kit.judging.divergence``)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from tests.kit.explore.oracle import run_example
 from tests.kit.explore.space import Config
 from tests.kit.judging.divergence import Diagnosis, diagnose_runs, traced_on_rank
-from tests.kit.judging.verdict import DIAGNOSE_ENV
 from tests.kit.runtime.cluster import RankCluster
 
 TIMEOUT_S = 180.0
@@ -27,8 +25,3 @@ def diagnose_config(cluster: RankCluster, config: Config, name: str, timeout: fl
         return cluster.run(traced_example_on_rank, config.world, config.to_json(), mode, timeout=timeout)
 
     return diagnose_runs(Diagnosis(f"L4 {name}", cluster.implementation or ""), run)
-
-
-def diagnosis_wanted() -> bool:
-    """A failing configuration is diagnosed unless ``HPKIT_DIAGNOSE=0`` (as a failing case is)."""
-    return os.environ.get(DIAGNOSE_ENV, "1") != "0"

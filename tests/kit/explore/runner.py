@@ -31,6 +31,7 @@ from tests.kit.explore.pairs import pairs_text
 from tests.kit.explore.pipeline import SAVED, Pipeline
 from tests.kit.explore.space import Config
 from tests.kit.judging.checks import Check
+from tests.kit.judging.divergence import needs_fresh_engines, wanted  # noqa: F401 - the explorer's too
 from tests.kit.runtime.cluster import RankCluster, RankFailure
 
 REGRESSIONS = Path(__file__).resolve().parent / "regressions"
@@ -164,9 +165,9 @@ class Exploration:
 
     def diagnose(self, cluster: RankCluster) -> None:
         """Diagnose the minimal failing configuration (once shrunk), unless ``HPKIT_DIAGNOSE=0``."""
-        from tests.kit.explore.diagnosis import diagnose_config, diagnosis_wanted
+        from tests.kit.explore.diagnosis import diagnose_config
 
-        if self.minimal is not None and diagnosis_wanted():
+        if self.minimal is not None and wanted():
             self.diagnosis = diagnose_config(cluster, self.minimal.config, self.minimal.id)
 
 
@@ -324,18 +325,6 @@ def _declared() -> list[str]:
     from tests.kit.judging.surface import impl
 
     return sorted(impl.features)
-
-
-def needs_fresh_engines(cluster: RankCluster) -> bool:
-    """Whether the implementation on the cluster needs fresh engines for every configuration (its
-    adapter's ``fresh_engines``: process-global state that does not survive a new process group)."""
-    return bool(cluster.view(0).apply_sync(_fresh_engines))
-
-
-def _fresh_engines() -> bool:
-    from tests.kit.judging.surface import impl
-
-    return bool(impl.fresh_engines)
 
 
 def known_defects_of(cluster: RankCluster) -> dict[frozenset[str], str]:

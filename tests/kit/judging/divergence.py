@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tests.kit.judging.case import Check, case_by_id, run_on_rank
 from tests.kit.judging.tolerances import DIAGNOSIS
@@ -29,6 +31,13 @@ from tests.kit.runtime.cluster import RankCluster, RankFailure
 
 # exit status of the command line and ``Diagnosis.exit_status``
 AGREES, DIVERGES, NOT_RUN = 0, 1, 2
+DIAGNOSE_ENV = "HPKIT_DIAGNOSE"  # "0": a failure is not diagnosed (the mutants harness, which only counts kills)
+
+
+def wanted() -> bool:
+    """A failing case (or L4 configuration) is diagnosed unless ``HPKIT_DIAGNOSE=0``."""
+    return os.environ.get(DIAGNOSE_ENV, "1") != "0"
+
 
 _TRACE_RUN: dict[str, Tracer] = {}  # rank side: this engine's last trace run, which a noise run reads
 
@@ -49,7 +58,6 @@ def traced_on_rank(
     trace's rows. The trace run stays on the engine (``case_trace``) for the noise run of ``name``;
     on fresh engines (an implementation that needs them) the noise run is handed every rank's
     trace run instead (``earlier``, as the trace runs returned ``state``) and takes its own rank's."""
-    import torch.distributed as dist
 
     from tests.kit.runtime.rank_runtime import keep
 

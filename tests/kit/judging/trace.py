@@ -166,8 +166,9 @@ class _Side:
         # rounding is (an fp32 output cast from bf16 compute carries bf16's rounding)
         self.compute_dtype = torch.float32
         modules = list(module.named_modules())
-        self.handles = [m.register_forward_pre_hook(self._pre_hook) for _, m in modules]
-        self.handles += [m.register_forward_hook(self._forward_hook(path)) for path, m in modules]
+        self.handles = [m.register_forward_hook(self._forward_hook(path)) for path, m in modules]
+        if role == "model":  # the baseline's rounding is never asked: a tensor's is the model's
+            self.handles += [m.register_forward_pre_hook(self._pre_hook) for _, m in modules]
 
     def begin(self) -> None:
         self.in_backward = False

@@ -10,17 +10,15 @@ The verdict renders as a text table (pytest failure messages, logs) and as HTML 
 from __future__ import annotations
 
 import html
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from tests.kit.judging.case import Case, Check, ImplementationRefused, case_by_id, run_on_rank
-from tests.kit.judging.divergence import NOT_RUN, Diagnosis, diagnose
+from tests.kit.judging.divergence import NOT_RUN, Diagnosis, diagnose, wanted
 from tests.kit.runtime.cluster import RankCluster, RankFailure
 
 STATUSES = ("PASS", "FAIL", "UNSUPPORTED", "ERROR", "TIMEOUT", "DIED")
-DIAGNOSE_ENV = "HPKIT_DIAGNOSE"  # "0": a FAIL is not diagnosed (the mutants harness, which only counts kills)
 
 
 @dataclass
@@ -266,7 +264,7 @@ def judge_case(
 
 def _diagnosed(cluster: RankCluster, verdict: Verdict, timeout: float | None) -> Verdict:
     """The verdict with its diagnosis, where it failed its checks (not a leak: alone it passes)."""
-    if verdict.status == "FAIL" and not verdict.leak and os.environ.get(DIAGNOSE_ENV, "1") != "0":
+    if verdict.status == "FAIL" and not verdict.leak and wanted():
         diagnosis = diagnose(cluster, verdict.case.id, timeout)
         if diagnosis.exit_status != NOT_RUN:  # a case with nothing traced keeps its plain verdict
             verdict.diagnosis = diagnosis
