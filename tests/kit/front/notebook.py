@@ -330,7 +330,8 @@ def summarize(verdict: Verdict) -> dict[str, Any]:
 
 
 def _diagnosis_summary(diagnosis: Any) -> dict[str, Any]:
-    """The diagnosis without its per-tensor rows (the sweep's JSON keeps those in a file of their own)."""
+    """The diagnosis without its per-tensor rows (``nb.diagnose`` and ``python -m tests.kit.diagnose
+    --json`` give those): what a sweep's index and page need."""
     return {k: v for k, v in diagnosis.to_json().items() if k != "modules"}
 
 
