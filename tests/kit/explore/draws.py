@@ -351,10 +351,15 @@ def steps(draw: Any, config: Config, features: frozenset[str]) -> Step:
         if "recurse_false" in features and draw(st.booleans()):
             step.reduce_op_group = draw(one_group(n_groups))
     # the all-reduce over replicas: drawn where there are replicas (over one it is no collective at all)
-    if "all_reduce_control" in features and config.hsdp and config.mesh[0] > 1 and one_in(draw, 2):
-        step.all_reduce = draw(st.booleans())
-        if "recurse_false" in features and draw(st.booleans()):
-            step.all_reduce_group = draw(one_group(n_groups))
+    replica_controls = {"all_reduce_control", "all_reduce_accumulation"} & features
+    if replica_controls and config.hsdp and config.mesh[0] > 1 and one_in(draw, 2):
+        # accumulation: every micro-batch but the last keeps its per-replica part for the last
+        if len(step.micro) > 1 and "all_reduce_accumulation" in features and one_in(draw, 2):
+            step.all_reduce_last_only = True
+        elif "all_reduce_control" in features:
+            step.all_reduce = draw(st.booleans())
+            if "recurse_false" in features and draw(st.booleans()):
+                step.all_reduce_group = draw(one_group(n_groups))
     if "reshard_controls" in features and one_in(draw, 3):
         which = draw(st.sampled_from(("reshard_after_forward", "reshard_after_backward")))
         group = (draw(one_group(n_groups)) if draw(st.booleans()) else -1) if "recurse_false" in features else -1
@@ -380,4 +385,35 @@ def steps(draw: Any, config: Config, features: frozenset[str]) -> Step:
         step.zero_held = True
     if "forward_method" in features and one_in(draw, 3):
         step.method = "generate"
+    if "recurse_false" in features and n_groups > 1 and one_in(draw, 4):
+        root_alone(draw, config, features, step)
     return step
+
+
+def root_alone(draw: Any, config: Config, features: frozenset[str], step: Step) -> None:
+    """One setter with ``recurse=False`` on the root above other calls, set to what differs from the
+    calls' default (a reduce op "sum", a reshard setting False, the all-reduce off, a held micro-batch's
+    sync off), so that ignoring ``recurse=False`` would change the calls below: each setter drawn so,
+    not left to the rare chance of all its draws at once (a True setting, or one rank, shows nothing)."""
+    root = len(config.groups) - 1
+    setters = []
+    if "reshard_controls" in features:
+        setters += ["reshard_after_forward", "reshard_after_backward"]
+    if "reduce_op_type" in features and not any(g.divide_factor is not None for g in config.groups):
+        setters.append("reduce_op")
+    if "all_reduce_control" in features and config.hsdp and config.mesh[0] > 1 and not step.all_reduce_last_only:
+        setters.append("all_reduce")
+    if not all(step.micro) and not step.hold_with_last_backward:
+        setters.append("sync")
+    if not setters:
+        return
+    which = draw(st.sampled_from(setters))
+    if which in ("reshard_after_forward", "reshard_after_backward"):
+        step.reshard_after_forward = step.reshard_after_backward = None  # one reshard setter a step
+        setattr(step, which, [root, False])
+    elif which == "reduce_op":
+        step.reduce_op, step.reduce_op_group = "sum", root
+    elif which == "all_reduce":
+        step.all_reduce, step.all_reduce_group = False, root
+    else:
+        step.sync_group = root

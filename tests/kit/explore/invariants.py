@@ -273,3 +273,21 @@ class Invariants:
             held = full(value).detach()
             self.ctx.close(f"{where}: state dict {path} value", held, masters[path].detach(), self.tol.grad)
         return state
+
+    def _zero_grad(self, step: Any, opts: tuple) -> None:
+        if step.zero_grad == "optimizer":
+            opts[0].zero_grad()
+            self.reference.zero_grad(set_to_none=True)
+            return
+        set_to_none = step.zero_grad == "module"
+        self.hsdp_modules[-1][0].zero_grad(set_to_none)
+        self.reference.zero_grad(set_to_none)
+        for path, param in self.model.named_parameters():
+            grad = param.grad
+            ok = grad is None if set_to_none else grad is None or not bool(full(grad).any())
+            self.ctx.true(f"after zero_grad(set_to_none={set_to_none}): {path} grad cleared", ok)
+            main = getattr(param, "main_grad", None) if self.config.precision.main_grad else None
+            if main is not None:  # HyperParallel's fp32 main grad: cleared too (None or zeros)
+                self.ctx.true(
+                    f"after zero_grad(set_to_none={set_to_none}): {path} main grad cleared", not bool(full(main).any())
+                )

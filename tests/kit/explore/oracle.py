@@ -46,9 +46,9 @@ from tests.kit.explore.setups import SetUps, registrations
 from tests.kit.explore.space import PRECISIONS, Config, Group
 from tests.kit.explore.storages import UnshardedStorages
 from tests.kit.explore.timing import Timing
+from tests.kit.explore.user_hooks import UserHooks
 from tests.kit.judging.checks import CaseContext, PreconditionFailed
 from tests.kit.judging.recorder import CollectiveRecorder, record_collectives
-from tests.kit.judging.reference import full
 from tests.kit.judging.surface import impl
 from tests.kit.judging.tolerances import Tolerance, tolerance
 from tests.kit.judging.trace import traced
@@ -56,7 +56,7 @@ from tests.kit.runtime.devices import compute_device
 from tests.kit.runtime.rank_runtime import keep
 
 
-class Example(Invariants, Timing, Received, SetUps):
+class Example(Invariants, Timing, Received, SetUps, UserHooks):
     """One configuration on this rank: the model under test beside its reference, checked."""
 
     def __init__(self, config: Config, ctx: CaseContext) -> None:
@@ -98,6 +98,7 @@ class Example(Invariants, Timing, Received, SetUps):
     def shard(self) -> None:
         """The configuration's fully_shard calls, bottom-up, then the layout checks."""
         by_id = {id(p): path for path, p in self.model.named_parameters()}
+        self._hook_before_sharding()
         for index, group in enumerate(self.config.groups):
             modules = [self.model.get_submodule(p) if p else self.model for p in group.paths]
             result = impl.fully_shard(modules if len(modules) > 1 else modules[0], **self._options(group, by_id))
@@ -129,6 +130,7 @@ class Example(Invariants, Timing, Received, SetUps):
             self.model.double()
         if self.config.cast:  # FSDP2 reshards before it casts: the next forward gathers the cast shards
             self.gathers.all_resharded()
+        self._hook_after_sharding()
         self._check_layout()
 
     def _set_controls(self, module: Any, group: Group, index: int) -> None:
@@ -236,6 +238,7 @@ class Example(Invariants, Timing, Received, SetUps):
         for index, step in enumerate(steps):
             if step.reset_iter_state:  # nothing in flight here: it only reshards
                 self.hsdp_modules[-1][0].reset_iter_state()
+                self.reference.reset_iter_state()
                 self.gathers.maybe_resharded()
             if step.fail is not None:
                 self._failed_forward(index, step.fail)
@@ -261,6 +264,7 @@ class Example(Invariants, Timing, Received, SetUps):
                 self._check_storage_freed(f"step {index} after reshard()")
             self._check_hook_inputs(f"step {index}")
             self._check_grads(f"step {index}")
+            self._check_user_hooks(f"step {index}")
             following = steps[index + 1] if index + 1 < len(steps) else None
             across = following if following is not None and following.unshard_how == "across step" else None
             self._end_step(index, step, opts, across)
@@ -354,6 +358,9 @@ class Example(Invariants, Timing, Received, SetUps):
         self.trace.begin(where)
         root = self.hsdp_modules[-1][0]
         last = micro == len(step.micro) - 1
+        if step.all_reduce_last_only:  # HSDP accumulation, FSDP2's idiom: the last micro-batch all-reduces
+            root.set_requires_all_reduce(last)
+            self.reference.all_reduce = [last] * len(self.config.groups)
         if step.hold_with_last_backward:
             root.set_is_last_backward(last)
         elif step.sync_group is None:
@@ -392,6 +399,7 @@ class Example(Invariants, Timing, Received, SetUps):
         held = not (syncs or step.hold_with_last_backward)  # the calls holding back (their sync off)
         reduces = [not held or step.sync_group not in (None, i) for i in range(len(self.config.groups))]
         self.reference.after_backward(reduces)
+        self._note_user_hooks()
         self.ctx.close(f"{where} loss", loss, ref_loss, self.tol.loss)
         self._check_output(where, out, ref_out)
         self._check_reshard(where)
@@ -416,24 +424,6 @@ class Example(Invariants, Timing, Received, SetUps):
             self._recording_forward, self._forward_rec = False, None
         self.stepped = None  # checked as its module's forward started (a registered method skips the root's)
         return out, forward
-
-    def _zero_grad(self, step: Any, opts: tuple) -> None:
-        if step.zero_grad == "optimizer":
-            opts[0].zero_grad()
-            self.reference.zero_grad(set_to_none=True)
-            return
-        set_to_none = step.zero_grad == "module"
-        self.hsdp_modules[-1][0].zero_grad(set_to_none)
-        self.reference.zero_grad(set_to_none)
-        for path, param in self.model.named_parameters():
-            grad = param.grad
-            ok = grad is None if set_to_none else grad is None or not bool(full(grad).any())
-            self.ctx.true(f"after zero_grad(set_to_none={set_to_none}): {path} grad cleared", ok)
-            main = getattr(param, "main_grad", None) if self.config.precision.main_grad else None
-            if main is not None:  # HyperParallel's fp32 main grad: cleared too (None or zeros)
-                self.ctx.true(
-                    f"after zero_grad(set_to_none={set_to_none}): {path} main grad cleared", not bool(full(main).any())
-                )
 
 
 def run_example(config_json: str) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
@@ -50,13 +51,13 @@ EXTRA_POOLS = 4  # more pools of POOL // 4 drawn (from the next seeds) while an 
 # not a pool happens to hold them, so a change of the draws cannot hide one
 INTERPLAY_NEEDS: dict[str, tuple[frozenset[str], int]] = {
     "set_requires_gradient_sync on the root alone": (frozenset({"recurse_false", "gradient_sync"}), 1),
-    "set_reduce_op_type on the root alone": (frozenset({"recurse_false", "reduce_op_type"}), 1),
+    "set_reduce_op_type on the root alone": (frozenset({"recurse_false", "reduce_op_type"}), 2),
     "set_requires_all_reduce(False) on the root alone": (
         frozenset({"recurse_false", "all_reduce_control", "hsdp"}),
         2,
     ),
-    "set_reshard_after_forward on the root alone": (frozenset({"recurse_false", "reshard_controls"}), 1),
-    "set_reshard_after_backward on the root alone": (frozenset({"recurse_false", "reshard_controls"}), 1),
+    "set_reshard_after_forward on the root alone": (frozenset({"recurse_false", "reshard_controls"}), 2),
+    "set_reshard_after_backward on the root alone": (frozenset({"recurse_false", "reshard_controls"}), 2),
     "an int reshard_after_forward replaced by a bool": (frozenset({"reshard_int", "reshard_controls"}), 1),
     "a main grad cleared by HSDPModule.zero_grad before another step": (
         frozenset({"main_grad", "mixed_precision", "zero_grad"}),
@@ -96,13 +97,7 @@ def interplays(config: Config) -> set[str]:
     found = set()
     n = len(config.groups)
     for step in config.steps:
-        for name, group in (
-            ("set_requires_gradient_sync", step.sync_group),
-            ("set_reduce_op_type", step.reduce_op_group),
-            ("set_requires_all_reduce(False)", step.all_reduce_group if step.all_reduce is False else None),
-            ("set_reshard_after_forward", step.reshard_after_forward[0] if step.reshard_after_forward else None),
-            ("set_reshard_after_backward", step.reshard_after_backward[0] if step.reshard_after_backward else None),
-        ):
+        for name, group in _root_alone_setters(config, step):
             if n > 1 and group == n - 1:
                 found.add(f"{name} on the root alone")
         control = step.reshard_after_forward
@@ -114,6 +109,26 @@ def interplays(config: Config) -> set[str]:
     if _failure_before_timed_backward(config):
         found.add("a failed forward and reset_iter_state() before a backward whose implicit prefetch is judged")
     return found | _across_step(config)
+
+
+def _root_alone_setters(config: Config, step: Any) -> list[tuple[str, int | None]]:
+    """Each ``recurse=False`` setter of ``step`` and the call it acts on, where the calls below would
+    show it ignoring ``recurse=False``: a value other than their default (reduce op "sum", a reshard
+    setting False, the all-reduce off; a held-back micro-batch's sync) over more than one rank (the
+    shard group's, for the reshard settings: over one rank resharding frees nothing). A setter that
+    cannot show it is not the interplay (a True reshard, over a one-rank shard group, caught nothing)."""
+    shards = config.mesh[-1] > 1
+
+    def shown(control: list | None) -> int | None:
+        return control[0] if control and control[1] is False and shards else None
+
+    return [
+        ("set_requires_gradient_sync", step.sync_group),
+        ("set_reduce_op_type", step.reduce_op_group if step.reduce_op == "sum" and config.world > 1 else None),
+        ("set_requires_all_reduce(False)", step.all_reduce_group if step.all_reduce is False else None),
+        ("set_reshard_after_forward", shown(step.reshard_after_forward)),
+        ("set_reshard_after_backward", shown(step.reshard_after_backward)),
+    ]
 
 
 def _across_step(config: Config) -> set[str]:
@@ -265,7 +280,8 @@ def _save(found: Covering, path: Path) -> None:
 
 
 def _key(features: frozenset[str], max_world: int, min_world: int, avoid: tuple[frozenset[str], ...]) -> str:
-    source = inspect.getsource(space) + inspect.getsource(draws) + inspect.getsource(grammar)
+    # the draws, and what counts as covered (this module's interplays)
+    source = "".join(inspect.getsource(module) for module in (space, draws, grammar)) + Path(__file__).read_text()
     text = json.dumps(
         [
             sorted(features),

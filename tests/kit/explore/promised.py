@@ -144,6 +144,12 @@ class PromisedReference:
         self.ops = ["avg"] * len(config.groups)  # the reduce op of each call's groups
         self.all_reduce = [True] * len(config.groups)
         self._held: dict[str, torch.Tensor] = {}
+        # HSDP with the all-reduce off: each param's per-replica parts (as sums over its shard group), kept
+        # for the next all-reducing backward to reduce over the replicas with its own (FSDP2's partial
+        # output: through zero_grad and steps, until then or reset_iter_state); and the master grad they
+        # landed in, with what it held before them (replaced by that backward's result)
+        self._replica_parts: dict[str, torch.Tensor] = {}
+        self._landed: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.got_grad: set[str] = set()  # params whose grad the last backward computed
         for group in config.groups:
             for path in group.paths:
@@ -196,8 +202,27 @@ class PromisedReference:
             if not reduces[plan.group]:
                 self._held[path] = held
                 continue
+            carried, keeps = path in self._replica_parts, self._keeps_replica_part(plan)
             reduced = self._reduce(held, plan).to(master.dtype)
-            master.grad = reduced if master.grad is None else master.grad + reduced
+            landed = self._landed.pop(path, None)
+            still_in = landed is not None and master.grad is not None and landed[0] is master.grad
+            if keeps:  # a per-replica part: added now, replaced when the all-reduce next runs
+                before = landed[1] if still_in else (None if master.grad is None else master.grad.clone())
+                master.grad = reduced if master.grad is None else master.grad + reduced
+                self._landed[path] = (master.grad, before)
+            elif carried and still_in:  # the parts in the grad give way to the result that holds them
+                master.grad = reduced if landed[1] is None else landed[1] + reduced
+            else:
+                master.grad = reduced if master.grad is None else master.grad + reduced
+
+    def _keeps_replica_part(self, plan: ParamPlan) -> bool:
+        """Whether a reduction of ``plan``'s param now lands a per-replica part (HSDP, all-reduce off)."""
+        return self.meshes.replicate_group(plan.mesh) is not None and not self.all_reduce[plan.group]
+
+    def reset_iter_state(self) -> None:
+        """The root's ``reset_iter_state()``: kept per-replica parts are dropped."""
+        self._replica_parts.clear()
+        self._landed.clear()
 
     def _reduce(self, grad: torch.Tensor, plan: ParamPlan) -> torch.Tensor:
         """The reduction promised for one param: the sum over its ranks divided by the call's divide
@@ -213,7 +238,14 @@ class PromisedReference:
             grad = grad * (1.0 / group.divide_factor)
         dist.all_reduce(grad, op=op, group=shards)
         ranks = shards.size()
+        as_sum = ranks if op == dist.ReduceOp.AVG else 1  # what turns the collective's output into the sum
+        if self._keeps_replica_part(plan):
+            kept = self._replica_parts.get(plan.path)
+            self._replica_parts[plan.path] = grad * as_sum if kept is None else kept + grad * as_sum
         if replicas is not None and self.all_reduce[plan.group]:
+            kept = self._replica_parts.pop(plan.path, None)
+            if kept is not None:  # the parts kept since the all-reduce was last on, reduced with this one
+                grad = grad + kept / as_sum
             dist.all_reduce(grad, op=op, group=replicas)
             ranks *= replicas.size()
         if mean and op == dist.ReduceOp.SUM:
@@ -230,6 +262,7 @@ class PromisedReference:
 
     def zero_grad(self, set_to_none: bool) -> None:
         self._held.clear()
+        self._landed.clear()  # the kept per-replica parts stay (FSDP2's rule), no longer in a grad
         for param in self.master.parameters():
             if set_to_none:
                 param.grad = None

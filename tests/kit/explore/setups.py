@@ -88,6 +88,7 @@ class SetUps:
             handle.remove()
         self.ctx.true(f"step {step_index}: the forward failing at call {index} raised", raised)
         self.hsdp_modules[-1][0].reset_iter_state()
+        self.reference.reset_iter_state()
         self.gathers.all_resharded()
         self._check_storage_freed(f"step {step_index} after a failed forward and reset_iter_state()")
 

@@ -103,6 +103,9 @@ class Step:
     reduce_op_group: int | None = None  # None: the root, recurse; i: group i alone (recurse=False)
     all_reduce: bool | None = None  # HSDP: set_requires_all_reduce
     all_reduce_group: int | None = None  # None: on the root, recurse; i: group i alone (recurse=False)
+    # HSDP accumulation as FSDP2's users write it: the root's set_requires_all_reduce(False) on every
+    # micro-batch but the last, True on the last; the parts held since reduced over the replicas with it
+    all_reduce_last_only: bool = False
     reshard_after_forward: list | None = None  # [group, flag] set before the step; group -1: the root, recurse
     reshard_after_backward: list | None = None  # [group, flag]
     sync_group: int | None = None  # held back by set_requires_gradient_sync on group i alone (recurse=False)
@@ -250,6 +253,8 @@ class Config:
                 used.add("recurse_false")
             if s.all_reduce is not None:
                 used.add("all_reduce_control")
+            if s.all_reduce_last_only:
+                used.add("all_reduce_accumulation")
             if s.reshard_after_forward or s.reshard_after_backward:
                 used.add("reshard_controls")
             if s.unshard is not None:

@@ -98,6 +98,10 @@ FEATURES: dict[str, str] = {
     "share_comm_ctx": "share_comm_ctx(modules): accepts sharded roots, refuses other modules",
     "reduce_scatter_unused_params": "set_reduce_scatter_unused_params(True): params unused on a rank reduce zeros",
     "separate_reduce_scatter_group": "set_separate_reduce_scatter_group(): reduce-scatters on a group of their own",
+    "post_accumulate_grad_hooks": "register_post_accumulate_grad_hook on a sharded param: called as its grad lands",
+    "hooks_through_sharding": "hooks put on a param before fully_shard (register_hook, post-accumulate) still called",
+    "reregister_plain": "a plain full-shape param registered in a sharded one's place: sharded at the first forward",
+    "all_reduce_accumulation": "set_requires_all_reduce(False) on all micro-batches but the last: it all-reduces all",
     "unshard_across_step": "unshard(async_op=True) issued before an optimizer step, waited after or met in flight: "
     "the stepped params",
 }

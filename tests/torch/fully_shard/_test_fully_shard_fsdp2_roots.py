@@ -114,6 +114,27 @@ def _registered_again(ctx: CaseContext) -> None:
     ctx.true("scale is sharded after training", impl.is_sharded(model.scale), type(model.scale).__name__, "sharded")
 
 
+def _plain_registered_again(ctx: CaseContext) -> None:
+    """A plain full-shape param registered in a sharded param's place before the first forward (which
+    FSDP2 refuses: its lazy init reads a DTensor's local tensor): the root's first forward (here one
+    under ``no_grad``, then ``reshard()``) cuts it to this rank's shard and registers that DTensor
+    instead (torch swaps no plain tensor with a DTensor), so an optimizer built after it trains it like
+    DDP of a model holding that value."""
+    model, reference = Scaled(), Scaled()
+    value = torch.linspace(0.5, 1.5, DIMS[-1])
+    with torch.no_grad():
+        reference.scale.copy_(value)
+    ddp = ddp_of(reference)
+    shard_nested(model, model.mlp.layers, mesh=ctx.mesh)
+    model.scale = nn.Parameter(value.clone())
+    with torch.no_grad():
+        model(distinct_batches(ctx)[0])
+    model.reshard()  # the root keeps its params gathered after forward: an optimizer must see the shards
+    ctx.true("the plain scale is sharded by a first forward", impl.is_sharded(model.scale), type(model.scale).__name__)
+    train_against(ctx, model, ddp, distinct_batches(ctx), square_mean, ctx.tol, label="plain scale registered again")
+    ctx.true("the plain scale is sharded after training", impl.is_sharded(model.scale), type(model.scale).__name__)
+
+
 class WeightsOnly(nn.Module):
     """A root whose forward takes no inputs (FSDP2's ``test_root_no_forward_inputs``): it computes from its
     own param and a per-rank buffer, so the ranks' grads differ and their mean is what DDP reduces."""
@@ -183,9 +204,11 @@ def _refusals(ctx: CaseContext) -> None:
     config="FSDP 1D fp32",
 )
 def first_forward(ctx: CaseContext) -> None:
-    """A root's first forward: it shards a param the user registered again after fully_shard, it may take
+    """A root's first forward: it shards a param the user registered again after fully_shard (a plain
+    full-shape one too, where declared), it may take
     no inputs, and it refuses a param that two separate fully_shard calls shard; a sharded module is
     neither deep-copied nor sharded again (FSDP2's refusals)."""
     _registered_again(ctx)
+    ctx.run_part("a plain tensor registered again", ("reregister_plain",), lambda: _plain_registered_again(ctx))
     _no_forward_inputs(ctx)
     _refusals(ctx)

@@ -1,9 +1,9 @@
-"""The collectives of one group: all-gather params, reduce-scatter / all-reduce grads.
+"""The reductions of one group: reduce-scatter / all-reduce grads (the all-gathers: ``all_gather.py``).
 
-Fused (``comm_fusion=True``): the group's params travel in one flat buffer, so each
-unshard is one all-gather and each reduction one reduce-scatter (plus one all-reduce for
-replicated params, and one over the replicate dim for HSDP). Unfused: one collective per
-param. Both do the same arithmetic on the same numbers, so they are numerically identical.
+Fused (``comm_fusion=True``): the group's params travel in one flat buffer, so each reduction is
+one reduce-scatter (plus one all-reduce for replicated params, and one over the replicate dim for
+HSDP). Unfused: one collective per param. Both do the same arithmetic on the same numbers, so
+they are numerically identical.
 
 Collectives are looked up on ``torch.distributed`` at call time (never imported by name),
 so a recorder that wraps them observes what this engine communicates.
@@ -11,16 +11,14 @@ so a recorder that wraps them observes what this engine communicates.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .layout import RowLayout
-from .mesh_info import MeshInfo, PostForwardMesh
+from .mesh_info import MeshInfo
 from .param import HSDPParam
 
 REDUCE_OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}
@@ -29,14 +27,6 @@ REDUCE_OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}
 def _wait(work: dist.Work | None) -> None:
     if work is not None:
         work.wait()
-
-
-def _all_gather_flat(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-) -> dist.Work | None:
-    """Concatenate every rank's flat ``input`` into ``output`` (rank order)."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, input, group=group, async_op=async_op)
 
 
 def _reduce_scatter_flat(
@@ -54,141 +44,6 @@ def separate_group(group: ProcessGroup, made: dict[tuple[int, ...], ProcessGroup
     if ranks not in made:
         made[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
     return made[ranks]
-
-
-# -- all-gather ------------------------------------------------------------------------------
-@dataclass
-class AllGather:
-    """An all-gather in flight; ``wait`` completes it and fills the unsharded params.
-
-    A param gathered in place (``outputs`` None) is written by the collective itself, and autograd
-    counts that write as a mutation of a tensor it may have saved, when the work completes: for
-    an async gather, on another thread and in ``wait``. The write refills what was there, so its
-    version counter is put back, after the wait, to what it was when the gather was issued
-    (``keepers``, each made at issue)."""
-
-    params: Sequence[HSDPParam]
-    works: list[dist.Work | None]
-    outputs: list[torch.Tensor | None]
-    fused: bool
-    done: bool = False
-    post_forward: PostForwardMesh | None = None  # gathering the pieces kept after forward (an int reshard)
-    keepers: list[Any] = field(default_factory=list)  # version keepers of params gathered in place
-    # each param's shard version when its shard was read (at issue): an optimizer step between the
-    # issue and the wait leaves the gathered copy stale, and the next unshard must see that (a
-    # backward prefetch of a group whose backward is done waits through the step: found by L4)
-    versions: list[tuple[int, int]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.versions:
-            self.versions = [param.shard_version() for param in self.params]
-
-    @property
-    def is_stale(self) -> bool:
-        """A shard changed since this gather read it."""
-        return any(param.shard_version() != version for param, version in zip(self.params, self.versions, strict=True))
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        for work in self.works:
-            _wait(work)
-        for keeper in self.keepers:
-            keeper.__exit__(None, None, None)
-        if self.fused:
-            self._copy_out_fused()
-        else:
-            for param, out in zip(self.params, self.outputs, strict=True):
-                if out is not None:
-                    layout = self._layout(param)
-                    param.copy_gathered_out(out.view(layout.world, -1), layout)
-        for param, version in zip(self.params, self.versions, strict=True):
-            param.note_gathered(version)
-        self.done = True
-
-    def _layout(self, param: HSDPParam) -> RowLayout:
-        return param.gather_source(self.post_forward)[0]
-
-    def _copy_out_fused(self) -> None:
-        (output,) = self.outputs
-        rows = output.view(self._layout(self.params[0]).world, -1)
-        offset = 0
-        for param in self.params:
-            layout = self._layout(param)
-            param.copy_gathered_out(rows[:, offset : offset + layout.padded_numel], layout)
-            offset += layout.padded_numel
-
-
-# what unsharding a group of whole params (one rank, or all replicated) leaves to wait for: nothing
-_NOTHING_TO_GATHER = AllGather([], [], [], fused=False, done=True)
-
-
-def start_all_gather(
-    params: Sequence[HSDPParam],
-    mesh_info: MeshInfo,
-    fused: bool,
-    async_op: bool,
-    post_forward: PostForwardMesh | None = None,
-) -> AllGather:
-    """Start gathering the sharded params (with ``post_forward``, the pieces kept after forward,
-    within that smaller group). An unsharded param is allocated when it is filled: now when it is
-    replicated, gathered in place or its group has one rank, else when the gather is waited for (so
-    a prefetched gather holds only its buffers until then)."""
-    # whole on every rank (replicated, or a one-rank shard group): a copy, or the shard itself
-    sharded = []
-    for param in params:
-        if not param.is_whole:
-            sharded.append(param)
-        elif not param.aliases_shard:  # else the shard is its own compute param: nothing to fill or go stale
-            param.alloc_unsharded()
-            param.copy_replicated_in()
-            param.note_gathered()
-    if not sharded:
-        return _NOTHING_TO_GATHER
-    group = mesh_info.shard_group if post_forward is None else post_forward.group
-    if fused and len(sharded) > 1:
-        return _start_fused_all_gather(sharded, group, async_op, post_forward)
-    works, outputs, keepers = [], [], []
-    for param in sharded:
-        layout = param.gather_source(post_forward)[0]
-        send = torch.empty(layout.padded_numel, dtype=param.param_dtype, device=param.device)
-        param.copy_shard_into(send, post_forward)
-        if layout.rank_major:
-            param.alloc_unsharded()
-            keepers.append(param.hidden_writes())  # the version now, restored when waited for
-            recv = param.unsharded_local.detach().view(-1)
-            works.append(_all_gather_flat(recv, send, group, async_op))
-            outputs.append(None)
-            continue
-        recv = torch.empty(layout.world * layout.padded_numel, dtype=param.param_dtype, device=param.device)
-        works.append(_all_gather_flat(recv, send, group, async_op))
-        outputs.append(recv)
-    return AllGather(sharded, works, outputs, fused=False, keepers=keepers, post_forward=post_forward)
-
-
-def _start_fused_all_gather(
-    params: Sequence[HSDPParam], group: ProcessGroup, async_op: bool, post_forward: PostForwardMesh | None
-) -> AllGather:
-    dtypes = {p.param_dtype for p in params}
-    if len(dtypes) != 1:
-        raise ValueError(
-            f"comm_fusion needs one compute dtype per group, got {sorted(map(str, dtypes))}; "
-            "use comm_fusion=False or one group per dtype"
-        )
-    (dtype,) = dtypes
-    device = params[0].device
-    sources = [p.gather_source(post_forward) for p in params]
-    total = sum(layout.padded_numel for layout, _, _ in sources)
-    world, rank = sources[0][0].world, sources[0][2]
-    recv = torch.empty(world * total, dtype=dtype, device=device)
-    # this rank's part of the output is the input: no separate send buffer
-    send = recv.narrow(0, rank * total, total)
-    offset = 0
-    for param, (layout, _, _) in zip(params, sources, strict=True):
-        param.copy_shard_into(send[offset : offset + layout.padded_numel], post_forward)
-        offset += layout.padded_numel
-    work = _all_gather_flat(recv, send, group, async_op)
-    return AllGather(params, [work], [recv], fused=True, post_forward=post_forward)
 
 
 # -- reductions ------------------------------------------------------------------------------
@@ -294,6 +149,7 @@ class Reduction:
 
     mesh_info: MeshInfo
     settings: ReduceSettings
+    params: list[HSDPParam] = field(default_factory=list)  # every param it reduces
     pieces: list[Piece] = field(default_factory=list)
     # one rank, nothing to communicate: each param's own grad, reduced where it lies (no flat buffer
     # to copy into and out of), with the arithmetic of its dtype
@@ -312,25 +168,66 @@ class Reduction:
         self.alone.clear()
         for piece in self.pieces:
             _wait(piece.work)
-        if self.settings.all_reduce_replicas and self.mesh_info.is_hsdp and self.mesh_info.replicate_size > 1:
-            works = [
-                dist.all_reduce(
-                    piece.output, op=piece.arithmetic.op, group=self.mesh_info.replicate_group, async_op=True
-                )
-                for piece in self.pieces
-            ]
-            for work in works:
-                _wait(work)
+        held: set[int] = set()  # params whose kept per-replica parts this all-reduce carries
+        if self.mesh_info.is_hsdp and self.mesh_info.replicate_size > 1:
+            if not self.settings.all_reduce_replicas:
+                self._keep_replica_parts()
+            else:
+                held = self._add_replica_parts()
+                works = [
+                    dist.all_reduce(
+                        piece.output, op=piece.arithmetic.op, group=self.mesh_info.replicate_group, async_op=True
+                    )
+                    for piece in self.pieces
+                ]
+                for work in works:
+                    _wait(work)
         for piece in self.pieces:
             self._finish(piece.output, piece.arithmetic.divide_after)
+        keeps = self.mesh_info.is_hsdp and self.mesh_info.replicate_size > 1 and not self.settings.all_reduce_replicas
+        for param, shard, _ in self._shards():
+            if keeps:
+                param.land_replica_part(shard)
+            elif id(param) in held:
+                param.land_all_reduced(shard)
+            else:
+                param.apply_reduced_grad(shard)
+        self.pieces.clear()
+        self.done = True
+
+    @property
+    def is_final(self) -> bool:
+        """Whether what it lands is the step's reduced grad (not a per-replica part, kept for the next
+        all-reducing backward): the user's post-accumulate-grad hooks run after it (FSDP2's rule)."""
+        return self.settings.all_reduce_replicas or not self.mesh_info.is_hsdp or self.mesh_info.replicate_size == 1
+
+    def _shards(self) -> Iterator[tuple[HSDPParam, torch.Tensor, Arithmetic]]:
+        """Each param of the pieces, with its shard of its piece's output and the piece's arithmetic."""
         for piece in self.pieces:
             offset = 0
             for param in piece.params:
                 numel = param.layout.padded_numel
-                param.apply_reduced_grad(param.shard_of_reduced(piece.output[offset : offset + numel]))
+                yield param, param.shard_of_reduced(piece.output[offset : offset + numel]), piece.arithmetic
                 offset += numel
-        self.pieces.clear()
-        self.done = True
+
+    def _keep_replica_parts(self) -> None:
+        """The all-reduce over the replicas is off: each param keeps its raw per-replica part."""
+        shard_size = self.mesh_info.shard_size
+        for param, shard, arithmetic in self._shards():
+            kept = param.replica_pending
+            part = shard if kept is None else _converted(shard, arithmetic, kept[1], shard_size)
+            param.keep_replica_part(part, arithmetic)
+
+    def _add_replica_parts(self) -> set[int]:
+        """Add each param's kept per-replica parts into its raw output before the all-reduce over the
+        replicas; the ids of the params that had some."""
+        held = set()
+        for param, shard, arithmetic in self._shards():
+            kept = param.take_replica_pending()
+            if kept is not None:
+                shard.add_(_converted(kept[0], kept[1], arithmetic, self.mesh_info.shard_size))
+                held.add(id(param))
+        return held
 
     def wait_collectives(self) -> None:
         """Complete the collectives in flight, landing nothing (an iteration thrown away)."""
@@ -350,6 +247,18 @@ class Reduction:
             output.mul_(self.settings.scaling_factor)
 
 
+def _converted(raw: torch.Tensor, made_by: Arithmetic, into: Arithmetic, shard_size: int) -> torch.Tensor:
+    """A collective's raw output under one arithmetic as the raw output of another: each is the plain sum
+    over the shard group times a factor (an averaging collective's 1 / ranks, a division or scaling before)."""
+
+    def to_sum(arithmetic: Arithmetic) -> float:
+        averaged = shard_size if arithmetic.op == dist.ReduceOp.AVG else 1
+        return averaged * (arithmetic.divide_before or 1) / (arithmetic.scale_before or 1)
+
+    ratio = to_sum(made_by) / to_sum(into)
+    return raw if ratio == 1 else raw * ratio
+
+
 def start_reduction(
     params: Sequence[HSDPParam],
     mesh_info: MeshInfo,
@@ -360,9 +269,9 @@ def start_reduction(
     """Start reducing the unreduced grads of ``params`` (each must have one) over the mesh."""
     replicas = settings.all_reduce_replicas and mesh_info.is_hsdp
     ranks = mesh_info.shard_size * (mesh_info.replicate_size if replicas else 1)
-    reduction = Reduction(mesh_info, settings)
-    if mesh_info.shard_size == 1 and not replicas and settings.all_reduce_hook is None:
-        # one rank, and nothing that sees a flat buffer (an all-reduce over replicas, the user's hook)
+    reduction = Reduction(mesh_info, settings, params=list(params))
+    if mesh_info.shard_size == 1 and mesh_info.replicate_size == 1 and settings.all_reduce_hook is None:
+        # one rank, nothing that sees a flat buffer (an all-reduce over replicas or parts kept for one, a hook)
         arithmetic = {dtype: settings.arithmetic(ranks, dtype, mesh_info.averages) for dtype in _dtypes(params)}
         reduction.alone = [(p, p.unreduced_in_reduce_dtype(), arithmetic[p.reduce_dtype]) for p in params]
     else:

@@ -13,6 +13,7 @@ recomputation) see the refilled data without re-registering anything.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .layout import RowLayout, contiguous_stride
 from .mesh_info import MeshInfo, PostForwardMesh, with_tensor_parallel
+from .param_grads import GradientSide
 from .policy import CPUOffload, Precision
 
 ModuleSlot = tuple[nn.Module, str]
@@ -51,6 +53,29 @@ def register_in_slots(slots: list[ModuleSlot], param: torch.Tensor) -> None:
             setattr(module, name, param)
 
 
+def user_grad_hooks(hooks: dict) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One hook for the unsharded param that runs the ``register_hook`` hooks a user put on the param
+    before ``fully_shard`` (read from their dict at each call: a handle removing one still works), each on
+    the grad the one before returned: the unsharded param is the tensor autograd computes grads for."""
+
+    def run(grad: torch.Tensor) -> torch.Tensor:
+        for hook in tuple(hooks.values()):
+            changed = hook(grad)
+            if changed is not None:
+                grad = changed
+        return grad
+
+    return run
+
+
+def carry_user_hooks(old: torch.Tensor, new: torch.Tensor) -> None:
+    """The post-accumulate-grad hooks a user put on ``old`` go with ``new``, the param that replaces it
+    (the same dict: their handles still remove them); the engine calls them as reduced grads land."""
+    hooks = getattr(old, "_post_accumulate_grad_hooks", None)
+    if hooks:
+        new._post_accumulate_grad_hooks = hooks
+
+
 _ORIGINAL_IDS = itertools.count()
 _ORIGINAL_ID_ATTR = "_hsdp_original_id"
 
@@ -63,7 +88,7 @@ def original_id(param: torch.Tensor) -> int:
     return getattr(param, _ORIGINAL_ID_ATTR)
 
 
-class HSDPParam:
+class HSDPParam(GradientSide):
     """A param of one group, placed ``Shard(dim)`` or ``Replicate()`` on the shard mesh dim."""
 
     def __init__(
@@ -98,6 +123,7 @@ class HSDPParam:
         self.post_forward_layout: RowLayout | None = None
         self.post_forward_shard: torch.Tensor | None = None
         self._init_sharded(param)
+        self.user_grad_hooks = getattr(param, "_backward_hooks", None)  # ``register_hook`` before fully_shard
         self._init_unsharded(param)
         # Grads taken off the unsharded param and not yet reduced (accumulation without sync).
         self.unreduced_grad: torch.Tensor | None = None
@@ -154,6 +180,7 @@ class HSDPParam:
             self.sharded_mesh, self.placements = self._sharded_layout(placement)
             dtensor = self.to_dtensor(local)
         self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        carry_user_hooks(param, self.sharded_param)
 
     def _this_ranks_rows(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a tensor of the param's whole (TP-local) shape: its ``torch.chunk``
@@ -229,10 +256,11 @@ class HSDPParam:
 
     def adopt_registered(self, policy: Precision) -> None:
         """A param registered in this param's place after ``fully_shard`` (a weight computed from others
-        once they are materialised, say) becomes this param's sharded param, as in FSDP2's lazy init:
-        the user's object is what the module, its state dict and an optimizer built after the
-        assignment hold. A DTensor laid out as this param's shard is taken as it is; a plain tensor
-        of the param's full shape is cut to this rank's shard and turned into that DTensor in place."""
+        once they are materialised, say) becomes this param's sharded param, as in FSDP2's lazy init.
+        A DTensor laid out as this param's shard is taken as it is: the user's object is what the module,
+        its state dict and an optimizer built after the assignment hold. A plain tensor of the param's
+        full shape (which FSDP2 refuses) is cut to this rank's shard, a new sharded param registered in
+        its place: an optimizer must be built after the root's first forward."""
         module, name = self.slots[0]
         current = module._parameters.get(name)
         if current is None or current is self.sharded_param or current is getattr(self, "unsharded_param", None):
@@ -247,11 +275,14 @@ class HSDPParam:
                 f"{tuple(current.shape)}; fully_shard sharded it with shape {tuple(self.global_shape)}"
             )
         if not isinstance(current, DTensor):
+            # torch swaps no plain tensor with a DTensor (their slots differ): a new sharded param takes
+            # its place, with the user's hooks on it
             with torch.no_grad():
                 src = self._this_ranks_rows(current.detach())
                 local = src.to(self.shard_device, memory_format=torch.contiguous_format, copy=True)
             fresh = nn.Parameter(self._global_view(local, self.sharded_mesh, self.placements), current.requires_grad)
-            torch.utils.swap_tensors(current, fresh)  # the user's object, now the sharded DTensor
+            carry_user_hooks(current, fresh)
+            current = fresh
         self.sharded_param = current
         self.refresh_after_apply(policy)  # the offload policy, dtypes and the unsharded copy follow it
         self.use_sharded()
@@ -275,6 +306,8 @@ class HSDPParam:
         if self.tp_mesh is not None:
             data = self._global_view(data, self.tp_mesh, self.tp_placements)
         self.unsharded_param = nn.Parameter(data, requires_grad=param.requires_grad)
+        if self.user_grad_hooks and self.unsharded_param.requires_grad:
+            self.unsharded_param.register_hook(user_grad_hooks(self.user_grad_hooks))
         # The plain tensor this engine fills and frees (shares storage with the param).
         self.unsharded_local = self._tp_local(self.unsharded_param)
 
@@ -357,95 +390,3 @@ class HSDPParam:
 
     def drop_post_forward_shard(self) -> None:
         self.post_forward_shard = None
-
-    # -- gradients ------------------------------------------------------------------------
-    def take_unsharded_grad(self) -> None:
-        """Move autograd's grad off the unsharded param into the unreduced accumulator.
-
-        A first grad is kept in its own dtype: the reduction casts it as it copies it into its
-        buffer, so a bf16 grad never has an fp32 copy beside that buffer (FSDP2's peak). A second
-        one (no-sync micro-batches) is added in the reduce dtype, so bf16 compute with fp32
-        reduction accumulates in fp32.
-        """
-        grad = self.unsharded_param.grad
-        if grad is None:
-            return
-        self.unsharded_param.grad = None
-        if isinstance(grad, DTensor):
-            if tuple(grad.placements) != self.tp_placements:
-                grad = grad.redistribute(self.tp_mesh, self.tp_placements)  # e.g. Partial -> Replicate
-            grad = grad._local_tensor
-        if self.unreduced_grad is None:
-            self.unreduced_grad = grad
-            return
-        if self.unreduced_grad.dtype != self.reduce_dtype:
-            self.unreduced_grad = self.unreduced_grad.to(self.reduce_dtype)
-        self.unreduced_grad.add_(grad)
-
-    def unreduced_in_reduce_dtype(self) -> torch.Tensor:
-        """The unreduced grad in the reduce dtype (a cast copy where it is still in its own)."""
-        grad = self.unreduced_grad
-        return grad if grad.dtype == self.reduce_dtype else grad.to(self.reduce_dtype)
-
-    def give_zero_grad_if_unused(self) -> None:
-        """``set_reduce_scatter_unused_params``: a param backward gave no grad on this rank reduces
-        zeros, so every rank issues the same collectives whatever it used."""
-        if self.unreduced_grad is None and self.sharded_param.requires_grad:
-            self.unreduced_grad = torch.zeros(self.full_shape, dtype=self.reduce_dtype, device=self.device)
-
-    def copy_grad_into(self, buffer: torch.Tensor, grad: torch.Tensor) -> None:
-        """Write a full grad into a reduce-scatter input viewed as [world, padded numel]."""
-        layout = self.layout
-        if layout.rank_major:
-            buffer.copy_(grad.reshape(layout.world, -1))
-            return
-        for rank in range(layout.world):
-            rows = layout.rows[rank]
-            piece = buffer[rank].view(layout.padded_shape)
-            if rows:
-                piece.narrow(layout.dim, 0, rows).copy_(grad.narrow(layout.dim, rank * layout.chunk, rows))
-            if rows < layout.chunk:
-                piece.narrow(layout.dim, rows, layout.chunk - rows).zero_()
-
-    def shard_of_reduced(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's unpadded grad shard inside a reduce-scatter output."""
-        if self.is_replicated:
-            return flat.view(self.full_shape)
-        rows = self.layout.rows[self.mesh_info.shard_rank]
-        return flat.view(self.layout.padded_shape).narrow(self.dim, 0, rows)
-
-    def apply_reduced_grad(self, reduced: torch.Tensor, owned: bool = False) -> None:
-        """Accumulate a reduced grad shard into ``param.grad`` (or the fp32 main grad). ``owned``:
-        ``reduced`` is no buffer's but this param's alone, so it becomes the grad without a copy
-        where dtype and device already match."""
-        param = self.sharded_param
-        target_dtype = torch.float32 if self.use_main_grad else self.orig_dtype
-        current = param.grad
-        if current is not None:
-            current._local_tensor.add_(reduced.to(self.shard_device))
-            return
-        main = getattr(param, "main_grad", None) if self.use_main_grad else None
-        if main is not None:
-            main._local_tensor.copy_(reduced)
-        else:
-            adopt = owned and reduced.dtype == target_dtype and reduced.device == self.shard_device
-            local = reduced if adopt else torch.empty(reduced.shape, dtype=target_dtype, device=self.shard_device)
-            if not adopt:
-                local.copy_(reduced)
-            main = self.to_dtensor(local)
-            if self.use_main_grad:
-                param.main_grad = main
-        param.grad = main
-
-    def clear_grads(self, set_to_none: bool) -> None:
-        """Drop unreduced grads and clear (or zero) the sharded grad and main grad."""
-        self.unreduced_grad = None
-        self.unsharded_param.grad = None
-        param = self.sharded_param
-        main = getattr(param, "main_grad", None)
-        if main is not None:
-            main._local_tensor.zero_()
-        if set_to_none:
-            param.grad = None
-        elif param.grad is not None:
-            param.grad._local_tensor.zero_()

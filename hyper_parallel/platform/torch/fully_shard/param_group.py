@@ -19,7 +19,8 @@ from enum import Enum, auto
 
 import torch
 
-from .collectives import AllGather, ReduceSettings, Reduction, start_all_gather, start_reduction
+from .all_gather import AllGather, start_all_gather
+from .collectives import ReduceSettings, Reduction, start_reduction
 from .mesh_info import MeshInfo, PostForwardMesh
 from .param import HSDPParam
 from .policy import Precision
@@ -198,6 +199,7 @@ class HSDPParamGroup:
         for param in self.params:
             param.unreduced_grad = None
             param.unsharded_param.grad = None
+            param.replica_pending = param.parts_landed = None
 
     def adopt_registered_params(self, policy: Precision) -> None:
         """Shard plain params registered in the sharded ones' place since ``fully_shard`` (the root's
@@ -219,6 +221,9 @@ class HSDPParamGroup:
         reductions, self._reductions = self._reductions, []
         for reduction in reductions:
             reduction.wait()
+            if reduction.is_final:
+                for param in reduction.params:
+                    param.run_post_accumulate_grad_hooks()
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Drop pending and unreduced grads and clear the sharded grads."""
