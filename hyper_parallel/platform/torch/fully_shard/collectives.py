@@ -170,7 +170,7 @@ class Reduction:
             _wait(piece.work)
         held: set[int] = set()  # params whose kept per-replica parts this all-reduce carries
         if self.mesh_info.is_hsdp and self.mesh_info.replicate_size > 1:
-            if not self.settings.all_reduce_replicas:
+            if self.keeps_replica_parts:
                 self._keep_replica_parts()
             else:
                 held = self._add_replica_parts()
@@ -184,9 +184,8 @@ class Reduction:
                     _wait(work)
         for piece in self.pieces:
             self._finish(piece.output, piece.arithmetic.divide_after)
-        keeps = self.mesh_info.is_hsdp and self.mesh_info.replicate_size > 1 and not self.settings.all_reduce_replicas
         for param, shard, _ in self._shards():
-            if keeps:
+            if self.keeps_replica_parts:
                 param.land_replica_part(shard)
             elif id(param) in held:
                 param.land_all_reduced(shard)
@@ -196,10 +195,11 @@ class Reduction:
         self.done = True
 
     @property
-    def is_final(self) -> bool:
-        """Whether what it lands is the step's reduced grad (not a per-replica part, kept for the next
-        all-reducing backward): the user's post-accumulate-grad hooks run after it (FSDP2's rule)."""
-        return self.settings.all_reduce_replicas or not self.mesh_info.is_hsdp or self.mesh_info.replicate_size == 1
+    def keeps_replica_parts(self) -> bool:
+        """Whether what it lands is a per-replica part, kept for the next all-reducing backward (HSDP
+        over several replicas, the all-reduce off), not the step's reduced grad: the user's
+        post-accumulate-grad hooks run after the latter only (FSDP2's rule)."""
+        return self.mesh_info.is_hsdp and self.mesh_info.replicate_size > 1 and not self.settings.all_reduce_replicas
 
     def _shards(self) -> Iterator[tuple[HSDPParam, torch.Tensor, Arithmetic]]:
         """Each param of the pieces, with its shard of its piece's output and the piece's arithmetic."""

@@ -221,7 +221,7 @@ class HSDPParamGroup:
         reductions, self._reductions = self._reductions, []
         for reduction in reductions:
             reduction.wait()
-            if reduction.is_final:
+            if not reduction.keeps_replica_parts:
                 for param in reduction.params:
                     param.run_post_accumulate_grad_hooks()
 
