@@ -24,10 +24,15 @@ UTILS = "hyper_parallel/core/fully_shard/utils.py"
 _PLATFORM = "hyper_parallel/platform/torch/fully_shard/"
 MESH_INFO = _PLATFORM + "mesh_info.py"
 PARAM = _PLATFORM + "param.py"
+PARAM_GRADS = _PLATFORM + "param_grads.py"
+LAYOUT = _PLATFORM + "layout.py"
+ALL_GATHER = _PLATFORM + "all_gather.py"
 PARAM_GROUP = _PLATFORM + "param_group.py"
 COLLECTIVES = _PLATFORM + "collectives.py"
 STATE = _PLATFORM + "state.py"
-ENGINE_FILES = (API, INIT, UTILS, MESH_INFO, PARAM, PARAM_GROUP, COLLECTIVES, STATE)
+ENGINE_FILES = (
+    API, INIT, UTILS, MESH_INFO, LAYOUT, PARAM, PARAM_GRADS, PARAM_GROUP, ALL_GATHER, COLLECTIVES, STATE
+)
 
 
 class MutantError(ValueError):
@@ -81,16 +86,20 @@ def tree_sources(root: Path, *also: str) -> dict[str, str]:
 
 # mutant 65 swaps these two blocks of Reduction.wait (collectives.py)
 _REPLICA_ALL_REDUCE = (
-    "        if self.settings.all_reduce_replicas and self.mesh_info.is_hsdp"
-    " and self.mesh_info.replicate_size > 1:\n"
-    "            works = [\n"
-    "                dist.all_reduce(\n"
-    "                    piece.output, op=piece.arithmetic.op, group=self.mesh_info.replicate_group, async_op=True\n"
-    "                )\n"
-    "                for piece in self.pieces\n"
-    "            ]\n"
-    "            for work in works:\n"
-    "                _wait(work)\n"
+    "        held: set[int] = set()\n"
+    "        if self.mesh_info.is_hsdp and self.mesh_info.replicate_size > 1:\n"
+    "            if self.keeps_replica_parts:\n"
+    "                self._keep_replica_parts()\n"
+    "            else:\n"
+    "                held = self._add_replica_parts()\n"
+    "                works = [\n"
+    "                    dist.all_reduce(\n"
+    "                        piece.output, op=piece.arithmetic.op, group=self.mesh_info.replicate_group, async_op=True\n"
+    "                    )\n"
+    "                    for piece in self.pieces\n"
+    "                ]\n"
+    "                for work in works:\n"
+    "                    _wait(work)\n"
 )
 _FINISH = "        for piece in self.pieces:\n            self._finish(piece.output, piece.arithmetic.divide_after)\n"
 
@@ -214,7 +223,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- platform/torch/fully_shard/param.py ---------------------------------------------------
     Mutant(
         "13",
-        PARAM,
+        LAYOUT,
         "padding",
         "shard rows rounded down (rows // world): the last rows of an uneven param are never sharded",
         "        chunk = math.ceil(total / world) if total else 0\n",
@@ -222,7 +231,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "14",
-        PARAM,
+        LAYOUT,
         "rank offset",
         "a rank's shard starts at rank x its own row count instead of rank x chunk",
         "        start = min(rank * self.chunk, full.shape[self.dim])  # empty chunks at the end\n",
@@ -230,7 +239,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "15",
-        PARAM,
+        PARAM_GRADS,
         "padding",
         "the padding rows of the reduce-scatter input are left uninitialised instead of zeroed",
         "            if rows < layout.chunk:\n"
@@ -241,7 +250,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "16",
-        PARAM,
+        PARAM_GRADS,
         "main grad",
         "a reduction landing in an existing main grad (after optimizer.zero_grad) adds to its stale values",
         "            main._local_tensor.copy_(reduced)\n",
@@ -249,7 +258,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "17",
-        PARAM,
+        PARAM_GRADS,
         "mixed precision accumulation",
         "unsynced grads accumulate in the compute dtype instead of the reduce dtype",
         "        if self.unreduced_grad.dtype != self.reduce_dtype:\n"
@@ -267,7 +276,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "19",
-        PARAM,
+        PARAM_GRADS,
         "grad accumulation (reductions)",
         "a reduced grad overwrites param.grad instead of accumulating into it",
         "            current._local_tensor.add_(reduced.to(self.shard_device))\n",
@@ -275,7 +284,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "20",
-        PARAM,
+        PARAM_GRADS,
         "mixed precision grad dtype",
         "param.grad takes the reduce dtype instead of the sharded param's dtype",
         "        target_dtype = torch.float32 if self.use_main_grad else self.orig_dtype\n",
@@ -283,15 +292,15 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "21",
-        PARAM,
+        PARAM_GRADS,
         "zero_grad",
         "zero_grad keeps the locally accumulated (unsynced) grad",
-        "        self.unreduced_grad = None\n        self.unsharded_param.grad = None\n",
-        "        self.unsharded_param.grad = None\n",
+        "        self.unreduced_grad = None\n        self.parts_landed = None\n",
+        "        self.parts_landed = None\n",
     ),
     Mutant(
         "22",
-        PARAM,
+        PARAM_GRADS,
         "zero_grad (main grad)",
         "zero_grad leaves the fp32 main grad's values in place",
         "        if main is not None:\n            main._local_tensor.zero_()\n",
@@ -299,7 +308,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "23",
-        PARAM,
+        PARAM_GRADS,
         "grad accumulation (no sync)",
         "a no-sync backward replaces the unreduced grad instead of adding to it",
         "            self.unreduced_grad.add_(grad)\n",
@@ -362,9 +371,9 @@ MUTANTS: tuple[Mutant, ...] = (
         COLLECTIVES,
         "comm fusion (reduction)",
         "the offset of each param in a fused reduce-scatter output is never advanced",
-        "                param.apply_reduced_grad(param.shard_of_reduced(piece.output[offset : offset + numel]))\n"
+        "                yield param, param.shard_of_reduced(piece.output[offset : offset + numel]), piece.arithmetic\n"
         "                offset += numel\n",
-        "                param.apply_reduced_grad(param.shard_of_reduced(piece.output[offset : offset + numel]))\n",
+        "                yield param, param.shard_of_reduced(piece.output[offset : offset + numel]), piece.arithmetic\n",
     ),
     Mutant(
         "31",
@@ -384,7 +393,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "33",
-        COLLECTIVES,
+        ALL_GATHER,
         "comm fusion (all-gather)",
         "comm_fusion=False is ignored by the all-gather: groups of several params always gather fused",
         "    if fused and len(sharded) > 1:\n",
@@ -475,7 +484,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "43",
-        COLLECTIVES,
+        ALL_GATHER,
         "async gathers in place (prefetch)",
         "an async in-place all-gather's write, which lands at completion, is not hidden from autograd",
         "        for keeper in self.keepers:\n            keeper.__exit__(None, None, None)\n",
@@ -667,7 +676,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "66",
-        COLLECTIVES,
+        ALL_GATHER,
         "unshard across the optimizer step",
         "an all-gather notes the shards' version when it is waited, not when it read them: a gather issued "
         "before the optimizer step and waited after it counts as fresh, and the next forward uses the old params",

@@ -59,6 +59,9 @@ class AllGather:
     # issue and the wait leaves the gathered copy stale, and the next unshard must see that (a
     # backward prefetch of a group whose backward is done waits through the step: found by L4)
     versions: list[tuple[int, int]] = field(default_factory=list)
+    # whole params copied at issue (replicated, or a one-rank shard group), with their versions then:
+    # they go stale across a step as the gathered ones do (found by L4, replay dd53022501)
+    copied: list[tuple[HSDPParam, tuple[int, int]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.versions:
@@ -66,8 +69,9 @@ class AllGather:
 
     @property
     def is_stale(self) -> bool:
-        """A shard changed since this gather read it."""
-        return any(param.shard_version() != version for param, version in zip(self.params, self.versions, strict=True))
+        """A shard changed since this gather read it (or copied it whole)."""
+        read = [*zip(self.params, self.versions, strict=True), *self.copied]
+        return any(param.shard_version() != version for param, version in read)
 
     def wait(self) -> None:
         if self.done:
@@ -100,9 +104,6 @@ class AllGather:
             offset += layout.padded_numel
 
 
-# what unsharding a group of whole params (one rank, or all replicated) leaves to wait for: nothing
-_NOTHING_TO_GATHER = AllGather([], [], [], fused=False, done=True)
-
 
 def start_all_gather(
     params: Sequence[HSDPParam],
@@ -116,7 +117,7 @@ def start_all_gather(
     replicated, gathered in place or its group has one rank, else when the gather is waited for (so
     a prefetched gather holds only its buffers until then)."""
     # whole on every rank (replicated, or a one-rank shard group): a copy, or the shard itself
-    sharded = []
+    sharded, copied = [], []
     for param in params:
         if not param.is_whole:
             sharded.append(param)
@@ -124,8 +125,22 @@ def start_all_gather(
             param.alloc_unsharded()
             param.copy_replicated_in()
             param.note_gathered()
+            copied.append((param, param.shard_version()))
+    gather = _start_gather(sharded, mesh_info, fused, async_op, post_forward)
+    gather.copied = copied
+    return gather
+
+
+def _start_gather(
+    sharded: Sequence[HSDPParam],
+    mesh_info: MeshInfo,
+    fused: bool,
+    async_op: bool,
+    post_forward: PostForwardMesh | None,
+) -> AllGather:
+    """The collectives for the params cut over ranks (none: nothing to wait for)."""
     if not sharded:
-        return _NOTHING_TO_GATHER
+        return AllGather([], [], [], fused=False, done=True)
     group = mesh_info.shard_group if post_forward is None else post_forward.group
     if fused and len(sharded) > 1:
         return _start_fused_all_gather(sharded, group, async_op, post_forward)
