@@ -30,9 +30,7 @@ ALL_GATHER = _PLATFORM + "all_gather.py"
 PARAM_GROUP = _PLATFORM + "param_group.py"
 COLLECTIVES = _PLATFORM + "collectives.py"
 STATE = _PLATFORM + "state.py"
-ENGINE_FILES = (
-    API, INIT, UTILS, MESH_INFO, LAYOUT, PARAM, PARAM_GRADS, PARAM_GROUP, ALL_GATHER, COLLECTIVES, STATE
-)
+ENGINE_FILES = (API, INIT, UTILS, MESH_INFO, LAYOUT, PARAM, PARAM_GRADS, PARAM_GROUP, ALL_GATHER, COLLECTIVES, STATE)
 
 
 class MutantError(ValueError):
@@ -94,7 +92,8 @@ _REPLICA_ALL_REDUCE = (
     "                held = self._add_replica_parts()\n"
     "                works = [\n"
     "                    dist.all_reduce(\n"
-    "                        piece.output, op=piece.arithmetic.op, group=self.mesh_info.replicate_group, async_op=True\n"
+    "                        piece.output, op=piece.arithmetic.op, "
+    "group=self.mesh_info.replicate_group, async_op=True\n"
     "                    )\n"
     "                    for piece in self.pieces\n"
     "                ]\n"
@@ -371,9 +370,11 @@ MUTANTS: tuple[Mutant, ...] = (
         COLLECTIVES,
         "comm fusion (reduction)",
         "the offset of each param in a fused reduce-scatter output is never advanced",
-        "                yield param, param.shard_of_reduced(piece.output[offset : offset + numel]), piece.arithmetic\n"
+        "                yield param, param.shard_of_reduced(piece.output[offset : offset + numel]), "
+        "piece.arithmetic\n"
         "                offset += numel\n",
-        "                yield param, param.shard_of_reduced(piece.output[offset : offset + numel]), piece.arithmetic\n",
+        "                yield param, param.shard_of_reduced(piece.output[offset : offset + numel]), "
+        "piece.arithmetic\n",
     ),
     Mutant(
         "31",

@@ -104,7 +104,6 @@ class AllGather:
             offset += layout.padded_numel
 
 
-
 def start_all_gather(
     params: Sequence[HSDPParam],
     mesh_info: MeshInfo,
