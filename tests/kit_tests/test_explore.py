@@ -228,7 +228,8 @@ def test_fsdp2s_known_defects_still_fail_on_it_and_are_regressions_ours_passes()
 def test_the_explorer_finds_nothing_within_its_budget(cluster, tmp_path):
     """Another seed than the notebook's, on a budget of ``HPKIT_L4_EXAMPLES`` configurations
     (default 8: a smoke run of random draws beside the notebook's, which has the covering phase;
-    given a budget, as the mutation harness gives it, the covering phase first too)."""
+    given a budget, as the mutation harness gives it, the covering phase first too; ``HPKIT_L4_SHRINK_S``
+    bounds the shrink of a failure, default 300 s)."""
     from tests.kit.explore.runner import features_of, known_defects_of
 
     budget = os.environ.get("HPKIT_L4_EXAMPLES")
@@ -243,6 +244,7 @@ def test_the_explorer_finds_nothing_within_its_budget(cluster, tmp_path):
         save_dir=tmp_path,
         avoid=avoid,
         cover=budget is not None,
+        shrink_budget_s=float(os.environ.get("HPKIT_L4_SHRINK_S", "300")),
     )
     assert found.passed, found.summary() + "\n" + found.minimal.config.to_json()
 

@@ -6,7 +6,8 @@ tokens in whichever engine file holds it now (``locate.py``: indentation, line b
 the names around it do not count), and must occur exactly once in the engine, so moving, renaming or
 reflowing the code around it carries a mutant along. A mutant that no test can kill says why in
 ``equivalent`` (one line); every other one must be killed by a plan case, and by the cases and engine
-tests together. Ids are two digits, in file order.
+tests together, or, for the field defects' classes a plan case cannot reach (docs/field_defects.md:
+lifetimes, a user's hooks), by L4 at CI's budget (``--suite l4``). Ids are two digits, in order.
 """
 
 from __future__ import annotations
@@ -726,6 +727,157 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if self.state is ShardedState.UNSHARDING and self._all_gather.is_stale:\n"
         "            self.wait_for_unshard()  # issued before the shards changed: finish it, then redo it\n",
         "",
+    ),
+    # -- upstream's field defects (docs/field_defects.md, by row) as slips of this engine -------------
+    Mutant(
+        "71",
+        COLLECTIVES,
+        "HSDP accumulation (all-reduce off)",
+        "field defect 10: the all-reducing backward leaves out the per-replica parts kept by the micro-batches "
+        "before it: their grads stay per replica group in .grad, never reduced over the replicas",
+        "                held = self._add_replica_parts()\n",
+        "                held = set()\n",
+    ),
+    Mutant(
+        "72",
+        PARAM_GROUP,
+        "post-accumulate-grad hooks",
+        "field defect 21: finishing a reduction lands the grads but never runs the user's "
+        "register_post_accumulate_grad_hook hooks on the sharded params",
+        "            if not reduction.keeps_replica_parts:\n"
+        "                for param in reduction.params:\n"
+        "                    param.run_post_accumulate_grad_hooks()\n",
+        "",
+    ),
+    Mutant(
+        "73",
+        PARAM,
+        "user hooks before fully_shard",
+        "field defect 21: the register_hook hooks are read off the new sharded param, not the param given to "
+        "fully_shard: hooks put on a param before fully_shard are never called",
+        '        self.user_grad_hooks = getattr(param, "_backward_hooks", None)\n',
+        '        self.user_grad_hooks = getattr(self.sharded_param, "_backward_hooks", None)\n',
+    ),
+    Mutant(
+        "74",
+        COLLECTIVES,
+        "mixed precision reduce dtype (all-reduce)",
+        "field defect 17: a replicated param's grad is all-reduced as it is, in the compute dtype, not cast to "
+        "the reduce dtype (under HSDP over the replicas too)",
+        "        flat = params[0].unreduced_in_reduce_dtype().contiguous().view(-1)\n",
+        "        flat = params[0].unreduced_grad.contiguous().view(-1)\n",
+    ),
+    Mutant(
+        "75",
+        PARAM,
+        "frozen params",
+        "field defect 22: the unsharded param is made without the param's requires_grad: a frozen param's "
+        "compute copy requires grad, and backward computes, reduces and lands a grad for it",
+        "        self.unsharded_param = nn.Parameter(data, requires_grad=param.requires_grad)\n",
+        "        self.unsharded_param = nn.Parameter(data)\n",
+    ),
+    Mutant(
+        "76",
+        PARAM_GROUP,
+        "frozen and unused params",
+        "field defect 23: post-backward reduces every param of the group, a frozen or unused one with no grad "
+        "too: the reduction crashes on its missing grad",
+        "            ready = [p for p in self.params if p.unreduced_grad is not None]\n",
+        "            ready = list(self.params)\n",
+    ),
+    Mutant(
+        "77",
+        STATE,
+        "post-backward trigger (inputs)",
+        "field defect 5: pre-forward passes every positional input through the post-backward function once one "
+        "needs grad: inputs that needed none come out requiring grad",
+        "            wrapped = iter(_PostBackward.apply(self, *needs_grad))\n"
+        "            return tuple(next(wrapped) if arg.requires_grad else arg for arg in args), kwargs\n",
+        "            return _PostBackward.apply(self, *args), kwargs\n",
+    ),
+    Mutant(
+        "78",
+        PARAM,
+        "deferred init (one shard rank)",
+        "field defect 1: after nn.Module._apply a whole param (one shard rank, or replicated) keeps its compute "
+        "copy, taken to alias the shard: after meta init and to_empty it stays on meta",
+        "        self._init_unsharded(self.sharded_param)\n",
+        "        if not self.is_whole:\n            self._init_unsharded(self.sharded_param)\n",
+    ),
+    Mutant(
+        "79",
+        PARAM,
+        "pre-shard param kept (lifetime)",
+        "the param keeps the pre-shard param object to read its register_hook hooks from: the whole "
+        "param's storage stays alive beside its shard (upstream's #434, #547)",
+        '        self.user_grad_hooks = getattr(param, "_backward_hooks", None)\n',
+        '        self.pre_shard = param\n        self.user_grad_hooks = getattr(param, "_backward_hooks", None)\n',
+    ),
+    Mutant(
+        "80",
+        INIT,
+        "module plan kept (lifetime)",
+        "the module's state keeps its plan, which lists the pre-shard params: their storages stay alive "
+        "beside the shards (upstream's PR #825, a policy holding the pre-shard params)",
+        "    module.__dict__[STATE_ATTR] = state\n",
+        "    state.plan = plan\n    module.__dict__[STATE_ATTR] = state\n",
+    ),
+    Mutant(
+        "81",
+        PARAM_GROUP,
+        "post-accumulate-grad hooks (timing)",
+        "the user's post-accumulate-grad hooks run before the reduction is waited for: the grad has not landed",
+        "            reduction.wait()\n"
+        "            if not reduction.keeps_replica_parts:\n"
+        "                for param in reduction.params:\n"
+        "                    param.run_post_accumulate_grad_hooks()\n",
+        "            if not reduction.keeps_replica_parts:\n"
+        "                for param in reduction.params:\n"
+        "                    param.run_post_accumulate_grad_hooks()\n"
+        "            reduction.wait()\n",
+    ),
+    Mutant(
+        "82",
+        PARAM_GROUP,
+        "replicated params (reshard)",
+        "field defect 8: resharding copies a replicated param's compute copy back into its shard: under a "
+        "bf16 param_dtype the fp32 master is rounded to bf16 at every reshard (upstream's #212)",
+        "            param.use_sharded()\n            param.free_unsharded()\n"
+        "        self.state = ShardedState.SHARDED\n",
+        "            if param.is_replicated:\n"
+        "                param.local_shard.copy_(param.unsharded_local)\n"
+        "            param.use_sharded()\n            param.free_unsharded()\n"
+        "        self.state = ShardedState.SHARDED\n",
+    ),
+    Mutant(
+        "83",
+        ALL_GATHER,
+        "unshard across the optimizer step (whole params)",
+        "an unshard issued before the optimizer step tracks the versions of the params it gathers only: a "
+        "whole param (replicated, or a one-rank shard group) copied at the issue goes stale unnoticed",
+        "    gather.copied = copied\n",
+        "",
+    ),
+    Mutant(
+        "84",
+        PARAM,
+        "user hooks (registered per unshard)",
+        "field defect 11: the dispatcher of the user's register_hook hooks is registered again each time the "
+        "unsharded param is registered (as if a swap lost it): hooks pile up, one more per unshard",
+        "    def use_unsharded(self) -> None:\n        register_in_slots(self.slots, self.unsharded_param)\n",
+        "    def use_unsharded(self) -> None:\n"
+        "        if self.user_grad_hooks and self.unsharded_param.requires_grad:\n"
+        "            self.unsharded_param.register_hook(user_grad_hooks(self.user_grad_hooks))\n"
+        "        register_in_slots(self.slots, self.unsharded_param)\n",
+    ),
+    Mutant(
+        "85",
+        STATE,
+        "late grads (end of backward)",
+        "field defect 4: the end of backward finishes only the groups backward has not reached: a weight "
+        "grad that arrives after its module's post-backward (a chunked loss) stays unreduced",
+        "            if group is not None and (group.used_since_post_backward or group.has_unreduced_grads):\n",
+        "            if group is not None and group.used_since_post_backward:\n",
     ),
 )
 

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from tests.kit.explore.gathers import GatherLedger, Unit
 from tests.kit.explore.grammar import HALF_PRECISION_LOSS_SCALE, Tied, batch, build, loss_of
 from tests.kit.explore.invariants import Invariants
+from tests.kit.explore.lifetimes import Lifetimes
 from tests.kit.explore.promised import DTYPES, Meshes, PromisedReference, param_plans, precision_row
 from tests.kit.explore.received import Received
 from tests.kit.explore.setups import SetUps, registrations
@@ -56,7 +57,7 @@ from tests.kit.runtime.devices import compute_device
 from tests.kit.runtime.rank_runtime import keep
 
 
-class Example(Invariants, Timing, Received, SetUps, UserHooks):
+class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes):
     """One configuration on this rank: the model under test beside its reference, checked."""
 
     def __init__(self, config: Config, ctx: CaseContext) -> None:
@@ -98,6 +99,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks):
     def shard(self) -> None:
         """The configuration's fully_shard calls, bottom-up, then the layout checks."""
         by_id = {id(p): path for path, p in self.model.named_parameters()}
+        self._watch_before_sharding()
         self._hook_before_sharding()
         for index, group in enumerate(self.config.groups):
             modules = [self.model.get_submodule(p) if p else self.model for p in group.paths]
@@ -132,6 +134,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks):
             self.gathers.all_resharded()
         self._hook_after_sharding()
         self._check_layout()
+        self._check_kept_storages("after sharding")
 
     def _set_controls(self, module: Any, group: Group, index: int) -> None:
         """The call's own reduction and backward controls (FSDP2's setters act on one module)."""
@@ -265,9 +268,12 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks):
             self._check_hook_inputs(f"step {index}")
             self._check_grads(f"step {index}")
             self._check_user_hooks(f"step {index}")
+            if all(self.gathers.is_sharded(unit) for unit in self._units()):
+                self._check_kept_storages(f"step {index} after backward")
             following = steps[index + 1] if index + 1 < len(steps) else None
             across = following if following is not None and following.unshard_how == "across step" else None
             self._end_step(index, step, opts, across)
+            self._check_hooks_flat(f"step {index} end")
 
     def _end_step(self, index: int, step: Any, opts: tuple, across: Any) -> None:
         """The optimizer step and zero_grad, with the next step's "across step" unshard issued where

@@ -178,6 +178,7 @@ def explore(
     budget_s: float = 0.0,
     profile: str = "ci",
     isolate: bool = False,
+    shrink_budget_s: float = 300.0,
     **options: Any,
 ) -> Exploration:
     """Draw configurations of ``features`` (``options``: ``Pipeline.on``'s, ``examples`` of them
@@ -194,12 +195,14 @@ def explore(
         found.minimal, found.failures_seen = failed, 1
         cache = {failed.id: failed}
         run = cached_runner(cluster, isolate, cache)
-        found.minimal = shrink_one(run, stages.draw, failed.signature, examples, seed, 300.0) or failed
+        found.minimal = shrink_one(run, stages.draw, failed.signature, examples, seed, shrink_budget_s) or failed
         found.examples += len(cache) - 1
         found.saved = save(found.minimal, save_dir)
         stages.finish()
         found.diagnose(cluster)
         return found
+
+    first_failure = [0.0]  # when the first drawn failure was seen: the shrink's budget counts from it
 
     @settings(settings.get_profile(profile), max_examples=examples)
     @hypothesis_seed(seed)
@@ -209,10 +212,14 @@ def explore(
         if not shrinking and budget_s and time.monotonic() - stages.started > budget_s:
             found.budget_spent = True
             return
+        if shrinking and time.monotonic() - first_failure[0] > shrink_budget_s:
+            return  # shrunk long enough: the smallest failing so far stands
         result = run_config(cluster, config, isolate=isolate)
         found.examples += 1
         stages.record(result, shrinking)
         if not result.passed:
+            if not failing:
+                first_failure[0] = time.monotonic()
             failing.append(result)
             raise AssertionError(result.failure)
 

@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from tests.kit.explore.gathers import Unit
 
 
-def _alive_bytes(ref: StorageWeakRef) -> int:
+def alive_bytes(ref: StorageWeakRef) -> int:
     """Bytes the watched storage holds now: 0 once collected or resized to nothing."""
     if ref.expired():
         return 0
@@ -47,4 +47,4 @@ class UnshardedStorages:
         refs = self.watched.get(unit, {})
         for key in [key for key, ref in refs.items() if ref.expired()]:
             del refs[key]
-        return sum(_alive_bytes(ref) for key, ref in refs.items() if key not in own)
+        return sum(alive_bytes(ref) for key, ref in refs.items() if key not in own)

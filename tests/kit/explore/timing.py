@@ -94,6 +94,7 @@ class Timing:
             own = self._own_numels(index, module_path)
             sharded = [impl.local(params[path]) for path in own if self.plans[path].kind == "sharded"]
             self.storages.note((index, module_path), sharded)
+            self._note_unsharded_hooks((index, module_path), [params[path] for path in own])
             self._check_stepped((index, module_path))  # the first forward after an unshard across the step
 
         return unsharded

@@ -165,7 +165,8 @@ def reset_parameters(ctx: CaseContext) -> None:
     """reset_parameters() of each Linear of a meta-built, sharded, to_empty'd MLP runs on the sharded
     params: finite, not zero, within nn.Linear's bound, a different draw on each shard (judged on an
     accelerator only: on the CPU torch's DTensor draws every shard from the same seed); then it trains
-    like DDP started from its whole values."""
+    like DDP started from its whole values. Where HSDP is declared, the same on a one-shard-rank mesh
+    with AdamW."""
     model = _deferred_mlp(ctx.mesh)
     _poison(model)
     reset = raises_nothing(
@@ -176,6 +177,29 @@ def reset_parameters(ctx: CaseContext) -> None:
     _check_random_init(ctx, model)
     ddp = ddp_of(_full_copy(model))
     train_against(ctx, model, ddp, distinct_batches(ctx), square_mean, ctx.tol)
+    ctx.run_part("one shard rank (replicate 2 x shard 1)", ("hsdp",), lambda: _one_shard_rank(ctx))
+
+
+def _one_shard_rank(ctx: CaseContext) -> None:
+    """The same on a mesh whose shard dim has one rank (upstream's ``dp_shard == 1`` path, #428: each
+    rank's shard is the whole param), trained with AdamW: materialised off the meta device, reset, and
+    training like DDP started from its values."""
+    model = _deferred_mlp(ctx.mesh_of(replicate=ctx.world_size, shard=1))
+    _check_materialised(ctx, "one shard rank, after to_empty", model)
+    reset = raises_nothing(
+        ctx, "one shard rank: reset_parameters() of every Linear", lambda: [m.reset_parameters() for m in model.layers]
+    )
+    if reset is None:
+        return
+    ddp = ddp_of(_full_copy(model))
+    train_against(
+        ctx, model, ddp, distinct_batches(ctx), square_mean, ctx.tol, make_optimizer=_adamw, label="one shard rank"
+    )
+
+
+def _adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """torch's AdamW as it comes (its foreach implementation where the params allow)."""
+    return torch.optim.AdamW(params, lr=1e-2)
 
 
 # -- module.to(dtype) ----------------------------------------------------------------------------

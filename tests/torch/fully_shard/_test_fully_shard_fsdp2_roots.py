@@ -135,6 +135,47 @@ def _plain_registered_again(ctx: CaseContext) -> None:
     ctx.true("the plain scale is sharded after training", impl.is_sharded(model.scale), type(model.scale).__name__)
 
 
+class Masked(nn.Module):
+    """A linear whose output a mask scales, called with an activation that needs grad and a mask that
+    needs none: it notes what the mask needed as its forward saw it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.lin = nn.Linear(DIMS[0], DIMS[0])
+        self.seen: list[bool] = []
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        self.seen.append(mask.requires_grad)
+        return self.lin(h) * mask
+
+
+class Gated(nn.Module):
+    """A first linear, then ``Masked`` on its output and a data mask (the activation needs grad, the
+    mask not): a call's inputs of both kinds at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.pre = nn.Linear(DIMS[0], DIMS[0])
+        self.masked = Masked()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = (x > 0).to(x.dtype)
+        return self.masked(self.pre(x), mask)
+
+
+def _inputs_needing_no_grad(ctx: CaseContext) -> None:
+    """A sharded call's input that needs no grad reaches its forward as it was passed (the hook that
+    starts the call's post-backward wraps only the inputs that need grad: upstream's #323 flipped the
+    others), and training equals DDP."""
+    model, reference = Gated(), Gated()
+    ddp = ddp_of(reference)
+    shard_nested(model, [model.masked], mesh=ctx.mesh)
+    train_against(ctx, model, ddp, distinct_batches(ctx), square_mean, ctx.tol, label="a mask needing no grad")
+    ctx.equal("the mask needs no grad inside the sharded call's forward", str(model.masked.seen), str([False, False]))
+
+
 class WeightsOnly(nn.Module):
     """A root whose forward takes no inputs (FSDP2's ``test_root_no_forward_inputs``): it computes from its
     own param and a per-rank buffer, so the ranks' grads differ and their mean is what DDP reduces."""
@@ -205,10 +246,11 @@ def _refusals(ctx: CaseContext) -> None:
 )
 def first_forward(ctx: CaseContext) -> None:
     """A root's first forward: it shards a param the user registered again after fully_shard (a plain
-    full-shape one too, where declared), it may take
-    no inputs, and it refuses a param that two separate fully_shard calls shard; a sharded module is
+    full-shape one too, where declared), it may take no inputs, a call's input that needs no grad is
+    passed to it as it is, and it refuses a param that two separate fully_shard calls shard; a sharded module is
     neither deep-copied nor sharded again (FSDP2's refusals)."""
     _registered_again(ctx)
     ctx.run_part("a plain tensor registered again", ("reregister_plain",), lambda: _plain_registered_again(ctx))
     _no_forward_inputs(ctx)
+    _inputs_needing_no_grad(ctx)
     _refusals(ctx)

@@ -1,0 +1,127 @@
+"""L4's lifetime invariants (a mixin of ``oracle.Example``), judged by measured storage and counts,
+not by a symptom elsewhere:
+
+- no storage a param held before ``fully_shard``, nor one a local shard held before, is kept once
+  the shard lives elsewhere (a pre-shard copy kept by the engine or its policy objects, an old shard
+  beside a flat buffer: upstream's #434, #231, PR #825);
+- the hooks registered on the model's modules and params are as many at the end of every step from
+  the second on as at the end of the first (hooks registered per step and never removed: #660);
+- every grad is a plain leaf tensor of its param's dtype that aliases no param's data (#692, #629).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from tests.kit.explore.storages import alive_bytes
+from tests.kit.judging.surface import impl
+
+# the hook dicts torch keeps per module (forward, backward, state-dict and load hooks alike)
+_MODULE_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_pre_hooks",
+    "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+_PARAM_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def registered_hooks(model: nn.Module) -> int:
+    """Hooks registered now on ``model``'s modules and params (each param once, tied or not)."""
+    count = sum(len(getattr(module, name, None) or {}) for module in model.modules() for name in _MODULE_HOOKS)
+    params = {id(p): p for p in model.parameters()}
+    return count + sum(len(getattr(p, name, None) or {}) for p in params.values() for name in _PARAM_HOOKS)
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+class KeptStorages:
+    """Weak references to every storage the params held before sharding and each local shard held
+    since; ``kept`` is what of them is still alive apart from the current local shards."""
+
+    def __init__(self) -> None:
+        self.watched: dict[int, tuple[str, StorageWeakRef]] = {}
+
+    def watch(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for path, tensor in named:
+            if tensor.is_meta:
+                continue  # nothing allocated to keep
+            ref = StorageWeakRef(tensor.untyped_storage())
+            self.watched.setdefault(ref.cdata, (path, ref))
+
+    def kept(self, current: Iterable[torch.Tensor]) -> dict[str, int]:
+        """Bytes per param path of watched storages still alive that no current local shard uses."""
+        gc.collect()  # a storage only a reference cycle holds is garbage, not kept
+        own = {_storage_key(t) for t in current if not t.is_meta}
+        kept: dict[str, int] = {}
+        for key, (path, ref) in list(self.watched.items()):
+            if ref.expired():
+                del self.watched[key]
+            elif key not in own and (held := alive_bytes(ref)):
+                kept[path] = kept.get(path, 0) + held
+        return kept
+
+
+class Lifetimes:
+    """Storage kept beyond the shards, hooks piling up per step, and what a grad is."""
+
+    def _watch_before_sharding(self) -> None:
+        self.kept_storages = KeptStorages()
+        self.kept_storages.watch(self.model.named_parameters())
+        self.hook_counts: dict[str, int] = {}  # this step's counts (``_check_hooks_flat``)
+        self.hooks_in_first_step: dict[str, int] | None = None
+
+    def _local_shards(self) -> list[tuple[str, torch.Tensor]]:
+        return [(path, impl.local(p)) for path, p in self.model.named_parameters()]
+
+    def _check_kept_storages(self, where: str) -> None:
+        """Nothing a param held before sharding, or a shard held before, is alive beside its shard now."""
+        shards = self._local_shards()
+        kept = self.kept_storages.kept(t for _, t in shards)
+        self.ctx.equal(
+            f"{where}: bytes of storage kept beyond the shards (held before sharding, or by an earlier shard)",
+            str(sorted(kept.items())),
+            "[]",
+        )
+        self.kept_storages.watch(shards)
+
+    def _note_unsharded_hooks(self, unit: tuple[int, str], params: list[nn.Parameter]) -> None:
+        """``unit``'s params as its forward starts, unsharded: the hooks on them (the most this step)."""
+        key = f"call {unit[0]} {unit[1] or 'root'}: hooks on its params while unsharded"
+        count = sum(len(getattr(p, name, None) or {}) for p in params for name in _PARAM_HOOKS)
+        self.hook_counts[key] = max(count, self.hook_counts.get(key, 0))
+
+    def _check_hooks_flat(self, where: str) -> None:
+        """The hooks registered at the end of this step on the modules and params, and on each call's
+        params while it was unsharded: from the second step on, as many as in the first."""
+        self.hook_counts["modules and params at the step's end: hooks registered"] = registered_hooks(self.model)
+        counts, self.hook_counts = self.hook_counts, {}
+        if self.hooks_in_first_step is None:
+            self.hooks_in_first_step = counts
+            return
+        for key in sorted(counts.keys() & self.hooks_in_first_step.keys()):
+            self.ctx.equal(f"{where}: {key} (as in step 0)", counts[key], self.hooks_in_first_step[key])
+
+    def _check_grad_kind(self, where: str, path: str, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """A grad is a plain leaf of its param's dtype, aliasing no param's data."""
+        local = impl.local(grad)
+        plain = grad.grad_fn is None and not grad.requires_grad
+        self.ctx.true(
+            f"{where} grad {path}: a leaf tensor of the param's dtype",
+            plain and grad.dtype == param.dtype,
+            f"{grad.dtype}, grad_fn {type(grad.grad_fn).__name__}",
+            str(param.dtype),
+        )
+        params = {_storage_key(impl.local(p)) for p in self.model.parameters() if not impl.local(p).is_meta}
+        self.ctx.true(f"{where} grad {path}: aliases no param's data", _storage_key(local) not in params)
