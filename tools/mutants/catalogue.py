@@ -879,6 +879,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "            if group is not None and (group.used_since_post_backward or group.has_unreduced_grads):\n",
         "            if group is not None and group.used_since_post_backward:\n",
     ),
+    Mutant(
+        "86",
+        PARAM_GROUP,
+        "flat gather buffer kept (lifetime)",
+        "field defect 13: a waited all-gather stays on its group until the next unshard: under comm_fusion "
+        "its flat buffer, every rank's shards, stays alive beside the shards after resharding",
+        "        self._all_gather.wait()\n        self._all_gather = None\n",
+        "        self._all_gather.wait()\n",
+    ),
 )
 
 

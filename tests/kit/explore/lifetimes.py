@@ -4,19 +4,26 @@ not by a symptom elsewhere:
 - no storage a param held before ``fully_shard``, nor one a local shard held before, is kept once
   the shard lives elsewhere (a pre-shard copy kept by the engine or its policy objects, an old shard
   beside a flat buffer: upstream's #434, #231, PR #825);
+- no storage the model's forward or backward created is alive once every module is sharded again,
+  but the grads (a flat gather or reduce buffer kept past its use: #231);
 - the hooks registered on the model's modules and params are as many at the end of every step from
   the second on as at the end of the first (hooks registered per step and never removed: #660);
-- every grad is a plain leaf tensor of its param's dtype that aliases no param's data (#692, #629).
+- every grad is a plain leaf tensor of its param's dtype that aliases no param's data (#692, #629);
+- forward and backward write no shard, bit for bit (a compute copy written back over the master: #212).
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from tests.kit.explore.storages import alive_bytes
 from tests.kit.judging.surface import impl
@@ -57,13 +64,23 @@ class KeptStorages:
         for path, tensor in named:
             if tensor.is_meta:
                 continue  # nothing allocated to keep
-            ref = StorageWeakRef(tensor.untyped_storage())
+            try:
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue  # a wrapper tensor with no storage of its own
+            ref = StorageWeakRef(storage)
             self.watched.setdefault(ref.cdata, (path, ref))
 
     def kept(self, current: Iterable[torch.Tensor]) -> dict[str, int]:
         """Bytes per param path of watched storages still alive that no current local shard uses."""
-        gc.collect()  # a storage only a reference cycle holds is garbage, not kept
         own = {_storage_key(t) for t in current if not t.is_meta}
+        kept = self._alive_apart_from(own)
+        if kept:  # a storage only a reference cycle holds is garbage, not kept: collect, then look again
+            gc.collect()
+            kept = self._alive_apart_from(own)
+        return kept
+
+    def _alive_apart_from(self, own: set[int]) -> dict[str, int]:
         kept: dict[str, int] = {}
         for key, (path, ref) in list(self.watched.items()):
             if ref.expired():
@@ -73,11 +90,39 @@ class KeptStorages:
         return kept
 
 
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor's local tensor, any other as it is."""
+    return impl.local(tensor) if impl.is_sharded(tensor) else tensor
+
+
+class _SeeCreated(TorchDispatchMode):
+    """Watches (weakly) the storage of every tensor an op returns (of a sharded tensor, its local one)."""
+
+    def __init__(self, watched: KeptStorages) -> None:
+        super().__init__()
+        self.watched = watched
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # a tensor subclass runs its own dispatch inside (unseen): what it returns is watched by its local tensors
+        out = func(*args, **(kwargs or {}))
+        self.watched.watch(("", _plain(t)) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+@contextmanager
+def created_into(watched: KeptStorages) -> Iterator[None]:
+    """Inside the block, every storage an op returns is watched by ``watched``."""
+    with _SeeCreated(watched):
+        yield
+
+
 class Lifetimes:
     """Storage kept beyond the shards, hooks piling up per step, and what a grad is."""
 
     def _watch_before_sharding(self) -> None:
         self.kept_storages = KeptStorages()
+        self.created = KeptStorages()  # what this step's forwards and backwards created
+        self.shards_before: dict[str, torch.Tensor] = {}  # the local shards as a step's forwards start
         self.kept_storages.watch(self.model.named_parameters())
         self.hook_counts: dict[str, int] = {}  # this step's counts (``_check_hooks_flat``)
         self.hooks_in_first_step: dict[str, int] | None = None
@@ -101,6 +146,40 @@ class Lifetimes:
         key = f"call {unit[0]} {unit[1] or 'root'}: hooks on its params while unsharded"
         count = sum(len(getattr(p, name, None) or {}) for p in params for name in _PARAM_HOOKS)
         self.hook_counts[key] = max(count, self.hook_counts.get(key, 0))
+
+    def _creating(self) -> Any:
+        """The model's forward or backward, every storage it creates watched."""
+        return created_into(self.created)
+
+    def _check_created_freed(self, where: str, kit_held: Iterable[torch.Tensor]) -> None:
+        """Once every module is sharded after backward: of the storages this step's forwards and
+        backwards created, none is alive but the grads' and the params' (and ``kit_held``, the kit's own)."""
+        params = list(self.model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        mains = [m for p in params if (m := getattr(p, "main_grad", None)) is not None]
+        held = [impl.local(t) for t in (*params, *grads, *mains)] + list(kit_held)
+        kept = sum(self.created.kept(held).values())
+        self.ctx.equal(f"{where}: bytes still held of what forward and backward created (but grads)", kept, 0)
+        self.created = KeptStorages()
+
+    def _note_shards(self, when: bool) -> None:
+        """Each param's local shard as a step's forwards start (a copy), ``when`` the registered params
+        are the shards (else nothing to compare this step)."""
+        params = self._local_params() if when else []
+        self.shards_before = {path: impl.local(p).detach().clone() for path, p in params}
+
+    def _check_shards_untouched(self, where: str) -> None:
+        """Forward and backward leave every shard as they found it, bit for bit (only the optimizer
+        writes them): a compute copy written back at reshard rounds a bf16-cast master (#212)."""
+        for path, param in self._local_params():
+            before = self.shards_before.get(path)
+            if before is not None:
+                label = f"{where}: {path}'s shard as before the forwards (forward and backward write no shard)"
+                self.ctx.equal(label, impl.local(param).detach(), before)
+        self.shards_before = {}
+
+    def _local_params(self) -> list[tuple[str, nn.Parameter]]:
+        return [(path, p) for path, p in self.model.named_parameters() if not impl.local(p).is_meta]
 
     def _check_hooks_flat(self, where: str) -> None:
         """The hooks registered at the end of this step on the modules and params, and on each call's

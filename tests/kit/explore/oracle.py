@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from tests.kit.explore.gathers import GatherLedger, Unit
 from tests.kit.explore.grammar import HALF_PRECISION_LOSS_SCALE, Tied, batch, build, loss_of
 from tests.kit.explore.invariants import Invariants
-from tests.kit.explore.lifetimes import Lifetimes
+from tests.kit.explore.lifetimes import KeptStorages, Lifetimes
 from tests.kit.explore.promised import DTYPES, Meshes, PromisedReference, param_plans, precision_row
 from tests.kit.explore.received import Received
 from tests.kit.explore.setups import SetUps, registrations
@@ -250,6 +250,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes):
                 self._eval_forward(index, f"step {index}")
             if step.state_dict_at == "before":
                 self._state_dict_round_trip(f"step {index} before forward")
+            self._note_shards(when=self._all_sharded())  # only where the registered params are the shards
             if step.unshard is not None and not (index and step.unshard_how == "across step"):
                 self._unshard(step.unshard, step.unshard_how)
             for micro, syncs in enumerate(step.micro):
@@ -265,11 +266,16 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes):
                         module.reshard()
                 self.gathers.all_resharded()
                 self._check_storage_freed(f"step {index} after reshard()")
+            if self._all_sharded():
+                self._check_shards_untouched(f"step {index}")
             self._check_hook_inputs(f"step {index}")
             self._check_grads(f"step {index}")
             self._check_user_hooks(f"step {index}")
-            if all(self.gathers.is_sharded(unit) for unit in self._units()):
+            if self._all_sharded():
                 self._check_kept_storages(f"step {index} after backward")
+                if not self.reference.keeps_replica_parts:  # an implementation may keep its parts too
+                    self._check_created_freed(f"step {index} after backward", ())
+            self.created = KeptStorages()
             following = steps[index + 1] if index + 1 < len(steps) else None
             across = following if following is not None and following.unshard_how == "across step" else None
             self._end_step(index, step, opts, across)
@@ -312,6 +318,10 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes):
         if how == "then reshard":
             module.reshard()
         self.gathers.mark([self._first_unit(index)], how != "then reshard")
+
+    def _all_sharded(self) -> bool:
+        """Whether the ledger knows every module sharded now."""
+        return all(self.gathers.is_sharded(unit) for unit in self._units())
 
     def _first_unit(self, index: int) -> Unit:
         """Call ``index``'s first module, the one ``unshard`` is called on."""
@@ -378,7 +388,8 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes):
         self.after_forward.clear()
         self.reached.clear()
         gathers, calls = self.gathers.forward(), self.gathers.forward_calls()
-        out, forward = self._forward(step, args, kwargs, where)
+        with self._creating():
+            out, forward = self._forward(step, args, kwargs, where)
         self._check_gathers(f"{where} forward", forward, gathers, calls)
         self.gathers.after_forward(self._resharded_after_forward(), self._rows_gather)
         taken = None
@@ -389,7 +400,8 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes):
         with record_collectives() as backward:
             self._backward_rec = backward
             loss = loss_of(out, self.loss_scale)
-            loss.backward()
+            with self._creating():
+                loss.backward()
             self._backward_rec = None
         self._check_gathers(f"{where} backward", backward, self.gathers.backward(self.reached, self.recompute))
         self._check_backward_order(where, backward, ordered)

@@ -219,6 +219,12 @@ class PromisedReference:
         """Whether a reduction of ``plan``'s param now lands a per-replica part (HSDP, all-reduce off)."""
         return self.meshes.replicate_group(plan.mesh) is not None and not self.all_reduce[plan.group]
 
+    @property
+    def keeps_replica_parts(self) -> bool:
+        """Whether per-replica parts are kept for the next all-reducing backward (the implementation
+        holds its own then, FSDP2's partial output)."""
+        return bool(self._replica_parts)
+
     def reset_iter_state(self) -> None:
         """The root's ``reset_iter_state()``: kept per-replica parts are dropped."""
         self._replica_parts.clear()

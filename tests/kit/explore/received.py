@@ -36,11 +36,12 @@ class Received:
     # -- the all-reduce hook ------------------------------------------------------------------
     def _all_reduce_hook(self, index: int, group: Group) -> Callable[[torch.Tensor], None]:
         """Call ``index``'s hook: records a copy of what it receives, then maps it as drawn."""
-        seen = self.hook_inputs.setdefault(index, [])
         apply = HOOK_MAPS[group.hook_map]
 
         def hook(reduced: torch.Tensor) -> None:
-            seen.append(reduced.detach().clone())
+            # this step's list, looked up at each call: each step's check pops it, and a list held by
+            # the hook would keep every copy alive and hide the steps after the first from the check
+            self.hook_inputs.setdefault(index, []).append(reduced.detach().clone())
             apply(reduced)
 
         return hook

@@ -169,11 +169,15 @@ def reset_parameters(ctx: CaseContext) -> None:
     with AdamW."""
     model = _deferred_mlp(ctx.mesh)
     _poison(model)
+    before = [id(p) for p in model.parameters()]
     reset = raises_nothing(
         ctx, "reset_parameters() of every Linear", lambda: [m.reset_parameters() for m in model.layers]
     )
     if reset is None:
         return
+    # an optimizer built before the reset still steps the registered params (upstream's #322 rebound them)
+    kept = [id(p) for p in model.parameters()] == before
+    ctx.true("reset_parameters() keeps every param object (an optimizer built before holds them)", kept)
     _check_random_init(ctx, model)
     ddp = ddp_of(_full_copy(model))
     train_against(ctx, model, ddp, distinct_batches(ctx), square_mean, ctx.tol)

@@ -176,23 +176,55 @@ def grad_clip_with_dtensor_grads(ctx: CaseContext) -> None:
     (precondition: it does clip): the total norm it returns is the global one (= the single-device
     model's, 1e-5; a per-shard norm would be smaller), the clipped global norm is at most max_norm
     + 1e-6, and the clipped grads, the loss and the params after each step equal the single-device
-    model's on the global batch, clipped the same way (1e-5)."""
+    model's on the global batch, clipped the same way (1e-5). Where declared, the same with the biases
+    replicated."""
     model = MLP(DIMS)
     reference = GlobalBatchReference(model)
     shard_nested(model, model.layers, mesh=ctx.mesh)
+    _clipped_training(ctx, model, reference, "")
+    ctx.run_part("replicated biases", ("replicate_params",), lambda: _replicated_biases_clipped(ctx))
+
+
+def _clipped_training(ctx: CaseContext, model: nn.Module, reference: Any, label: str) -> None:
+    """Train ``model`` against ``reference``, both clipped at half the reference's unclipped norm."""
     batches = rank_batches(ctx.rank, (4, DIMS[0]))
+    prefix = f"{label}: " if label else ""
 
     def clip(step: int) -> None:
         unclipped = float(grad_norm(reference))
         max_norm = unclipped / 2
-        ctx.require(f"step {step}: the unclipped norm exceeds max_norm", unclipped > max_norm, f"{unclipped:.4g}")
+        ctx.require(
+            f"{prefix}step {step}: the unclipped norm exceeds max_norm", unclipped > max_norm, f"{unclipped:.4g}"
+        )
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         ref_total = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
-        where = f"step {step} total norm clip_grad_norm_ returns (global, not per shard)"
+        where = f"{prefix}step {step} total norm clip_grad_norm_ returns (global, not per shard)"
         ctx.close(where, total, ref_total, ctx.tol.grad)
-        ctx.at_most(f"step {step} global grad norm after clipping", grad_norm(model), max_norm, specific("clip bound"))
+        after = f"{prefix}step {step} global grad norm after clipping"
+        ctx.at_most(after, grad_norm(model), max_norm, specific("clip bound"))
 
-    train_against(ctx, model, reference, batches, square_mean, ctx.tol, after_backward=clip, mean_loss_over_ranks=True)
+    train_against(
+        ctx,
+        model,
+        reference,
+        batches,
+        square_mean,
+        ctx.tol,
+        after_backward=clip,
+        mean_loss_over_ranks=True,
+        label=label,
+    )
+
+
+def _replicated_biases_clipped(ctx: CaseContext) -> None:
+    """The same with every bias replicated (HyperParallel's ``replicate_params``): a replicated grad
+    counts once in the global norm, not once per rank (upstream's #279, #735)."""
+    model = MLP(DIMS)
+    reference = GlobalBatchReference(model)
+    for layer in model.layers:
+        impl.fully_shard(layer, mesh=ctx.mesh, replicate_params=[layer.bias])
+    impl.fully_shard(model, mesh=ctx.mesh)
+    _clipped_training(ctx, model, reference, "replicated biases")
 
 
 SEQ_LENS = (16, 7, 32, 5, 24)  # one step each
