@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from tests.kit.explore.storages import alive_bytes
 from tests.kit.judging.surface import impl
+from tests.kit.judging.trace import Untraced
 
 # the hook dicts torch keeps per module (forward, backward, state-dict and load hooks alike)
 _MODULE_HOOKS = (
@@ -146,6 +147,22 @@ class Lifetimes:
         key = f"call {unit[0]} {unit[1] or 'root'}: hooks on its params while unsharded"
         count = sum(len(getattr(p, name, None) or {}) for p in params for name in _PARAM_HOOKS)
         self.hook_counts[key] = max(count, self.hook_counts.get(key, 0))
+
+    def _all_sharded(self) -> bool:
+        """Whether the ledger knows every module sharded now (the registered params are the shards)."""
+        return all(self.gathers.is_sharded(unit) for unit in self._units())
+
+    def _check_lifetimes(self, where: str) -> None:
+        """After a step's backwards, where every module is sharded: no shard written, nothing kept
+        beside the shards, nothing forward or backward created alive but the grads (not while the
+        diagnosis traces, whose records hold them, nor while per-replica parts are kept: an
+        implementation keeps its own too)."""
+        if self._all_sharded():
+            self._check_shards_untouched(where)
+            self._check_kept_storages(f"{where} after backward")
+            if not self.reference.keeps_replica_parts and isinstance(self.trace, Untraced):
+                self._check_created_freed(f"{where} after backward", ())
+        self.created = KeptStorages()
 
     def _creating(self) -> Any:
         """The model's forward or backward, every storage it creates watched."""

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from tests.kit.explore.gathers import GatherLedger, Unit
 from tests.kit.explore.grammar import HALF_PRECISION_LOSS_SCALE, Tied, batch, build, loss_of
 from tests.kit.explore.invariants import Invariants
-from tests.kit.explore.lifetimes import KeptStorages, Lifetimes
+from tests.kit.explore.lifetimes import Lifetimes
 from tests.kit.explore.promised import DTYPES, Meshes, PromisedReference, param_plans, precision_row
 from tests.kit.explore.received import Received
 from tests.kit.explore.setups import SetUps, registrations
@@ -266,16 +266,10 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes):
                         module.reshard()
                 self.gathers.all_resharded()
                 self._check_storage_freed(f"step {index} after reshard()")
-            if self._all_sharded():
-                self._check_shards_untouched(f"step {index}")
             self._check_hook_inputs(f"step {index}")
             self._check_grads(f"step {index}")
             self._check_user_hooks(f"step {index}")
-            if self._all_sharded():
-                self._check_kept_storages(f"step {index} after backward")
-                if not self.reference.keeps_replica_parts:  # an implementation may keep its parts too
-                    self._check_created_freed(f"step {index} after backward", ())
-            self.created = KeptStorages()
+            self._check_lifetimes(f"step {index}")
             following = steps[index + 1] if index + 1 < len(steps) else None
             across = following if following is not None and following.unshard_how == "across step" else None
             self._end_step(index, step, opts, across)
@@ -318,10 +312,6 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes):
         if how == "then reshard":
             module.reshard()
         self.gathers.mark([self._first_unit(index)], how != "then reshard")
-
-    def _all_sharded(self) -> bool:
-        """Whether the ledger knows every module sharded now."""
-        return all(self.gathers.is_sharded(unit) for unit in self._units())
 
     def _first_unit(self, index: int) -> Unit:
         """Call ``index``'s first module, the one ``unshard`` is called on."""
