@@ -161,20 +161,20 @@ class Lifetimes:
             self._check_shards_untouched(where)
             self._check_kept_storages(f"{where} after backward")
             if not self.reference.keeps_replica_parts and isinstance(self.trace, Untraced):
-                self._check_created_freed(f"{where} after backward", ())
+                self._check_created_freed(f"{where} after backward")
         self.created = KeptStorages()
 
     def _creating(self) -> Any:
         """The model's forward or backward, every storage it creates watched."""
         return created_into(self.created)
 
-    def _check_created_freed(self, where: str, kit_held: Iterable[torch.Tensor]) -> None:
+    def _check_created_freed(self, where: str) -> None:
         """Once every module is sharded after backward: of the storages this step's forwards and
-        backwards created, none is alive but the grads' and the params' (and ``kit_held``, the kit's own)."""
+        backwards created, none is alive but the grads' and the params'."""
         params = list(self.model.parameters())
         grads = [p.grad for p in params if p.grad is not None]
         mains = [m for p in params if (m := getattr(p, "main_grad", None)) is not None]
-        held = [impl.local(t) for t in (*params, *grads, *mains)] + list(kit_held)
+        held = [impl.local(t) for t in (*params, *grads, *mains)]
         kept = sum(self.created.kept(held).values())
         self.ctx.equal(f"{where}: bytes still held of what forward and backward created (but grads)", kept, 0)
         self.created = KeptStorages()
@@ -182,21 +182,18 @@ class Lifetimes:
     def _note_shards(self, when: bool) -> None:
         """Each param's local shard as a step's forwards start (a copy), ``when`` the registered params
         are the shards (else nothing to compare this step)."""
-        params = self._local_params() if when else []
-        self.shards_before = {path: impl.local(p).detach().clone() for path, p in params}
+        shards = self._local_shards() if when else []
+        self.shards_before = {path: local.detach().clone() for path, local in shards if not local.is_meta}
 
     def _check_shards_untouched(self, where: str) -> None:
         """Forward and backward leave every shard as they found it, bit for bit (only the optimizer
         writes them): a compute copy written back at reshard rounds a bf16-cast master (#212)."""
-        for path, param in self._local_params():
+        for path, local in self._local_shards():
             before = self.shards_before.get(path)
             if before is not None:
                 label = f"{where}: {path}'s shard as before the forwards (forward and backward write no shard)"
-                self.ctx.equal(label, impl.local(param).detach(), before)
+                self.ctx.equal(label, local.detach(), before)
         self.shards_before = {}
-
-    def _local_params(self) -> list[tuple[str, nn.Parameter]]:
-        return [(path, p) for path, p in self.model.named_parameters() if not impl.local(p).is_meta]
 
     def _check_hooks_flat(self, where: str) -> None:
         """The hooks registered at the end of this step on the modules and params, and on each call's
