@@ -15,6 +15,7 @@ not by a symptom elsewhere:
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -76,8 +77,14 @@ class KeptStorages:
         """Bytes per param path of watched storages still alive that no current local shard uses."""
         own = {_storage_key(t) for t in current if not t.is_meta}
         kept = self._alive_apart_from(own)
-        if kept:  # a storage only a reference cycle holds is garbage, not kept: collect, then look again
+        # a storage only a reference cycle holds is garbage, not kept, and an async collective's work
+        # lets its tensors go on the backend's thread a moment after completing: collect, and look
+        # again a few times over about a tenth of a second before calling anything kept
+        for _ in range(5):
+            if not kept:
+                break
             gc.collect()
+            time.sleep(0.02)
             kept = self._alive_apart_from(own)
         return kept
 
