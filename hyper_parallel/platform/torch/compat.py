@@ -144,3 +144,22 @@ def _probe_rank(store: dist.Store, rank: int, answers: list[bool], groups: list)
     except (RuntimeError, AttributeError):
         return  # "Cannot use ReduceOp.AVG with Gloo", or a backend without the call: SUM and divide
     answers[rank] = summed.item() == 2.0 and scattered.item() == 2.0
+
+
+SavedTensorsHooks = tuple  # (pack, unpack), as torch keeps them
+
+
+def saved_tensors_hooks_on_top() -> tuple[bool, SavedTensorsHooks | None]:
+    """(whether the engine can stack saved-tensor hooks of its own over the user's, the pair on top now).
+
+    The engine's hooks (``saved_params.py``) must hand every tensor they are not about to the pair they
+    cover (``save_on_cpu``, activation checkpointing), so they need to read it: torch 2.8 and later
+    expose it (``_top_saved_tensors_default_hooks``); 2.6 and 2.7 do not, and there the engine pushes
+    none (as before: a backward that reaches a resharded param by a path the engine does not hook
+    fails as it does on FSDP2). Hooks disabled by torch (``disable_saved_tensors_hooks``) likewise."""
+    autograd = torch._C._autograd
+    top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
+    enabled = getattr(autograd, "_saved_tensors_hooks_is_enabled", None)
+    if top is None or enabled is None or not enabled():
+        return False, None
+    return True, top(False)

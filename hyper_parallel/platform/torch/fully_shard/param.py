@@ -23,6 +23,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .layout import RowLayout, contiguous_stride
 from .mesh_info import MeshInfo, PostForwardMesh, with_tensor_parallel
+from .optimizer_guard import note_not_to_step
 from .param_grads import GradientSide
 from .policy import CPUOffload, Precision
 
@@ -76,6 +77,13 @@ def carry_user_hooks(old: torch.Tensor, new: torch.Tensor) -> None:
         new._post_accumulate_grad_hooks = hooks
 
 
+def user_grad_dtype(param: torch.Tensor) -> torch.dtype | None:
+    """The ``grad_dtype`` a user set on ``param`` where it differs from the param's dtype (torch 2.9 on;
+        earlier releases have none), else None."""
+    dtype = getattr(param, "grad_dtype", None) if param.requires_grad and param.is_leaf else None
+    return dtype if dtype is not None and dtype != param.dtype else None
+
+
 _ORIGINAL_IDS = itertools.count()
 _ORIGINAL_ID_ATTR = "_hsdp_original_id"
 
@@ -109,6 +117,7 @@ class HSDPParam(GradientSide):
         self._init_tensor_parallel(param)
         # What this engine shards and gathers: the param itself, or its TP-local tensor.
         self.full_shape = self._tp_local(param).shape
+        self.user_grad_dtype = user_grad_dtype(param)
         self._follow_dtype(param.dtype, mp_policy)
         self.use_main_grad = mp_policy.apply_grad_on_fp32_main_grad and param.is_floating_point()
         self.shard_device = torch.device("cpu") if offload_to_cpu is not None else device
@@ -122,6 +131,9 @@ class HSDPParam(GradientSide):
         # reshard_after_forward=int: the rows this rank keeps after forward, cut over that many ranks
         self.post_forward_layout: RowLayout | None = None
         self.post_forward_shard: torch.Tensor | None = None
+        # called as autograd accumulates a grad into the unsharded param (set by the module's state)
+        self.on_grad: Callable[[], None] | None = None
+        self.registered: torch.Tensor | None = None  # what the engine last registered in the slots
         self._init_sharded(param)
         self.user_grad_hooks = getattr(param, "_backward_hooks", None)  # ``register_hook`` before fully_shard
         self._init_unsharded(param)
@@ -135,7 +147,10 @@ class HSDPParam(GradientSide):
         floating = dtype.is_floating_point
         self.orig_dtype = dtype
         self.param_dtype = (policy.param_dtype if floating else None) or dtype
-        self.reduce_dtype = (policy.reduce_dtype if floating else None) or self.param_dtype
+        # a grad_dtype the user set on the param: its grads have it; the policy's reduce_dtype, where set,
+        # still decides the reduction's dtype (the collective's), the grad_dtype what lands in ``.grad``
+        self.grad_dtype = self.user_grad_dtype or dtype
+        self.reduce_dtype = (policy.reduce_dtype if floating else None) or self.user_grad_dtype or self.param_dtype
 
     # -- tensor parallel -------------------------------------------------------------------
     def _init_tensor_parallel(self, param: nn.Parameter) -> None:
@@ -180,6 +195,7 @@ class HSDPParam(GradientSide):
             self.sharded_mesh, self.placements = self._sharded_layout(placement)
             dtensor = self.to_dtensor(local)
         self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        self._keep_grad_dtype(self.sharded_param)
         carry_user_hooks(param, self.sharded_param)
 
     def _this_ranks_rows(self, whole: torch.Tensor) -> torch.Tensor:
@@ -216,6 +232,7 @@ class HSDPParam(GradientSide):
 
     def use_sharded(self) -> None:
         register_in_slots(self.slots, self.sharded_param)
+        self.registered = self.sharded_param
 
     def use_post_forward(self, mesh: DeviceMesh) -> None:
         """Register the rows kept after forward (``reshard_after_forward=int``) as a DTensor on the
@@ -233,6 +250,7 @@ class HSDPParam(GradientSide):
         )
         param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
         register_in_slots(self.slots, param)
+        self.registered = param
 
     def refresh_after_apply(self, policy: Precision) -> None:
         """Follow what ``nn.Module._apply`` (``to``, ``to_empty``, ``double``, ...) did to the sharded
@@ -254,7 +272,13 @@ class HSDPParam(GradientSide):
         self._init_unsharded(self.sharded_param)
         self._gathered_version = (-1, -1)
 
-    def adopt_registered(self, policy: Precision) -> None:
+    def registered_in_place(self) -> torch.Tensor | None:
+        """A param the user registered in this param's place since the engine last registered one, else None."""
+        module, name = self.slots[0]
+        current = module._parameters.get(name)
+        return None if current is None or current is self.registered else current
+
+    def adopt_registered(self, policy: Precision, current: torch.Tensor) -> None:
         """A param registered in this param's place after ``fully_shard`` (a weight computed from others
         once they are materialised, say) becomes this param's sharded param, as in FSDP2's lazy init.
         A DTensor laid out as this param's shard is taken as it is: the user's object is what the module,
@@ -262,9 +286,6 @@ class HSDPParam(GradientSide):
         full shape (which FSDP2 refuses) is cut to this rank's shard, a new sharded param registered in
         its place: an optimizer must be built after the root's first forward."""
         module, name = self.slots[0]
-        current = module._parameters.get(name)
-        if current is None or current is self.sharded_param or current is getattr(self, "unsharded_param", None):
-            return
         if isinstance(current, DTensor) and (
             current.device_mesh != self.sharded_mesh or tuple(current.placements) != tuple(self.placements)
         ):
@@ -282,6 +303,14 @@ class HSDPParam(GradientSide):
                 local = src.to(self.shard_device, memory_format=torch.contiguous_format, copy=True)
             fresh = nn.Parameter(self._global_view(local, self.sharded_mesh, self.placements), current.requires_grad)
             carry_user_hooks(current, fresh)
+            note_not_to_step(
+                current,
+                f"optimizer: it holds parameter {name!r} of {type(module).__name__} as registered again, a plain "
+                "tensor of full shape: fully_shard sharded it into a new DTensor parameter at the next forward, "
+                "and the model no longer uses the tensor the optimizer holds; build the optimizer from "
+                "model.parameters() after that forward, or register a DTensor laid out as the shard "
+                "(torch.distributed.tensor.distribute_tensor on the param's mesh and placements) in its place",
+            )
             current = fresh
         self.sharded_param = current
         self.refresh_after_apply(policy)  # the offload policy, dtypes and the unsharded copy follow it
@@ -306,13 +335,34 @@ class HSDPParam(GradientSide):
         if self.tp_mesh is not None:
             data = self._global_view(data, self.tp_mesh, self.tp_placements)
         self.unsharded_param = nn.Parameter(data, requires_grad=param.requires_grad)
+        module, name = self.slots[0]
+        note_not_to_step(
+            self.unsharded_param,
+            f"optimizer: it holds the unsharded compute copy of parameter {name!r} of {type(module).__name__}, "
+            "not the sharded parameter training updates (a root keeps its params gathered from its forward to "
+            "its backward, and model.parameters() lists the copies then); build the optimizer from "
+            "model.parameters() before the first forward, after a backward, or after model.reshard()",
+        )
+        self._keep_grad_dtype(self.unsharded_param)  # autograd accumulates in it
+        if self.unsharded_param.requires_grad:
+            self.unsharded_param.register_post_accumulate_grad_hook(self._grad_accumulated)
         if self.user_grad_hooks and self.unsharded_param.requires_grad:
             self.unsharded_param.register_hook(user_grad_hooks(self.user_grad_hooks))
         # The plain tensor this engine fills and frees (shares storage with the param).
         self.unsharded_local = self._tp_local(self.unsharded_param)
 
+    def _grad_accumulated(self, _: torch.Tensor) -> None:
+        if self.on_grad is not None:
+            self.on_grad()
+
+    def _keep_grad_dtype(self, param: nn.Parameter) -> None:
+        """The user's ``grad_dtype`` on a param the engine made in place of theirs."""
+        if self.user_grad_dtype is not None and param.requires_grad:
+            param.grad_dtype = self.user_grad_dtype
+
     def use_unsharded(self) -> None:
         register_in_slots(self.slots, self.unsharded_param)
+        self.registered = self.unsharded_param
 
     def alloc_unsharded(self) -> None:
         if not self.aliases_shard:

@@ -125,7 +125,7 @@ class GradientSide:
         ``reduced`` is no buffer's but this param's alone, so it becomes the grad without a copy
         where dtype and device already match."""
         param = self.sharded_param
-        target_dtype = torch.float32 if self.use_main_grad else self.orig_dtype
+        target_dtype = torch.float32 if self.use_main_grad else self.grad_dtype
         current = param.grad
         if current is not None:
             current._local_tensor.add_(reduced.to(self.shard_device))

@@ -149,10 +149,13 @@ class HSDPParamGroup:
         for param in self.params:
             param.take_unsharded_grad()
         if self.requires_gradient_sync:
-            if self.reduce_scatter_unused_params:
+            ready = [p for p in self.params if p.unreduced_grad is not None]
+            if self.reduce_scatter_unused_params or (ready and len(ready) < len(self.params)):
+                # a param that got a grad on another rank gets zeros here, so every rank reduces the
+                # same params in the same collectives (DDP's unused-parameter rule; FSDP2 mismatches)
                 for param in self.params:
                     param.give_zero_grad_if_unused()
-            ready = [p for p in self.params if p.unreduced_grad is not None]
+                ready = [p for p in self.params if p.unreduced_grad is not None]
             if ready:
                 # Keep per-group order of accumulation: the previous reduction lands first.
                 self.finish_reductions()
@@ -202,13 +205,16 @@ class HSDPParamGroup:
             param.replica_pending = param.parts_landed = None
 
     def adopt_registered_params(self, policy: Precision) -> None:
-        """Shard plain params registered in the sharded ones' place since ``fully_shard`` (the root's
-        first forward; only while resharded, when the registered params are the sharded ones), under
-        the module's mixed-precision ``policy``."""
-        if self.is_unsharded:
+        """Shard params the user registered in the managed ones' place since the engine last registered
+        them (before any forward, or between two), under the module's mixed-precision ``policy``: the
+        group is resharded first, so the next unshard gathers what the user registered."""
+        registered = [(param, param.registered_in_place()) for param in self.params]
+        registered = [(param, current) for param, current in registered if current is not None]
+        if not registered:
             return
-        for param in self.params:
-            param.adopt_registered(policy)
+        self.reshard()
+        for param, current in registered:
+            param.adopt_registered(policy, current)
 
     def refresh_after_apply(self, policy: Precision) -> None:
         """After ``nn.Module._apply`` changed the sharded params' dtype or device: the dtypes the

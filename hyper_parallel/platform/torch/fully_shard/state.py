@@ -34,6 +34,7 @@ from .mesh_info import PostForwardMesh
 from .param import HSDPParam
 from .param_group import HSDPParamGroup
 from .policy import Precision
+from .saved_params import SavedParamHooks
 
 
 class TrainingState(Enum):
@@ -174,6 +175,9 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[Any, ...]:
+        # the outputs' hooks may never have run (a loss read from a tensor the forward stored): the
+        # end-of-backward callback that lands this reduction is queued here too
+        ctx.state.iteration.queue_final_callback()
         ctx.state.post_backward()
         return (None, *grads)
 
@@ -208,6 +212,8 @@ class HSDPState:
         self.iteration = IterationContext()
         self.forward_prefetch: list[HSDPState] = []
         self.backward_prefetch: list[HSDPState] = []
+        # params autograd saves in forward are gathered again when backward reads them, by any path
+        self._saved_params = None if param_group is None else SavedParamHooks(param_group, self._unshard_for_saved)
         self._hook_handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
             module.register_forward_hook(self._post_forward, prepend=False),
@@ -215,6 +221,11 @@ class HSDPState:
             module.register_state_dict_post_hook(functools.partial(HSDPState._sharded_state_dict, self)),
             module.register_load_state_dict_pre_hook(functools.partial(HSDPState._reshard_before_load, self)),
         ]
+        if param_group is not None:
+            # a forward that raised leaves no saved-tensor hooks pushed
+            self._hook_handles.append(module.register_forward_hook(self._saved_params.leave, always_call=True))
+            for param in param_group.params:
+                param.on_grad = self._param_got_grad
         # Names (relative to module, tied names included) of each managed param, for state dicts; the
         # HSDPParam, not its sharded param, which a param registered again before the first forward replaces.
         self._names_of_params: list[tuple[HSDPParam, list[str]]] = []
@@ -262,6 +273,8 @@ class HSDPState:
         if self.mp_policy.cast_forward_inputs:
             args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
         if self.param_group is not None:
+            if not recomputing:
+                self.param_group.adopt_registered_params(self.mp_policy)  # a param the user registered since
             self.param_group.unshard()
             self.param_group.wait_for_unshard()
             if grad_enabled:
@@ -271,6 +284,8 @@ class HSDPState:
                 target.prefetch()
         if grad_enabled:
             args, kwargs = self._attach_post_backward((args, kwargs))
+            if self._saved_params is not None:
+                self._saved_params.enter()
         return args, kwargs
 
     def _attach_post_backward(self, inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
@@ -289,6 +304,8 @@ class HSDPState:
         return _map_tensors(lambda t: next(wrapped) if t.requires_grad else t, inputs)
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if self._saved_params is not None:
+            self._saved_params.leave()
         recomputing = self.training_state is TrainingState.PRE_BACKWARD or _inside_backward()
         grad_enabled = torch.is_grad_enabled()
         if not recomputing:
@@ -378,6 +395,25 @@ class HSDPState:
         for target in self.backward_prefetch or self.iteration.next_in_backward(self):
             target.prefetch()
 
+    def _unshard_for_saved(self) -> None:
+        """Backward reads a param this module's forward saved: gather the group first where no hook on
+        the outputs did (the pre-backward's work), and have the end of backward finish it."""
+        group = self.param_group
+        if group.is_unsharded or not _inside_backward():
+            return
+        self.iteration.states_in_iteration[self] = None
+        self.iteration.queue_final_callback()
+        self.training_state = TrainingState.PRE_BACKWARD
+        group.unshard()
+        group.wait_for_unshard()
+        group.used_since_post_backward = True
+
+    def _param_got_grad(self) -> None:
+        """Autograd accumulated a grad into one of the group's unsharded params: whatever path backward
+        took to get there, the end-of-backward callback that reduces and lands it is queued."""
+        self.iteration.states_in_iteration[self] = None
+        self.iteration.queue_final_callback()
+
     def post_backward(self) -> None:
         # A forward run under no_grad (reentrant checkpoint) registers the state only here.
         self.iteration.states_in_iteration[self] = None
@@ -393,7 +429,12 @@ def forward_method(state: HSDPState, method: Callable[..., Any]) -> Callable[...
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = state._pre_forward(state.module, args, kwargs)
-        output = method(*args, **kwargs)
+        try:
+            output = method(*args, **kwargs)
+        except BaseException:
+            if state._saved_params is not None:
+                state._saved_params.leave()
+            raise
         return state._post_forward(state.module, args, output)
 
     return run

@@ -1,0 +1,271 @@
+"""Rank bodies of the engine tests of usage patterns from torch FSDP2's tracker (issue 52): a loss read
+from a tensor the forward stored on the module (pytorch#173709), an in-place op on a view a sharded
+module returned (#181832), an output inside a container the engine cannot open, params some ranks do
+not use (#158719), a ``grad_dtype`` set before sharding (#170648), optimizers built after a forward or
+holding a param registered again. Each trains against DDP (or the same-dtype baseline) through the
+kit's checks, or is refused at the optimizer step with the param and the fix named."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.kit.judging.checks import StrictChecks, raised
+from tests.kit.judging.reference import SameDtypeReference, ddp_of, full
+from tests.kit.judging.surface import impl
+from tests.kit.workloads.models import rank_batches
+from tests.kit.workloads.training import shard_nested, square_mean, train_against
+
+WIDTH = 8
+STEPS = 2
+
+
+def _inner(model: Any) -> nn.Module:
+    """The module a baseline runs (DDP's, the same-dtype reference's compute copy), else the model."""
+    return getattr(model, "module", None) or getattr(model, "compute", None) or model
+
+
+class StoresIntermediate(nn.Module):
+    """Stores an intermediate on itself (``self.cached``) and returns something else: a loss read from
+    ``cached`` reaches the params by a path no hook on the outputs sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.lin2 = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.lin2(torch.tanh(self.lin(x)))
+        self.cached = hidden
+        return hidden + 1
+
+
+class Wraps(nn.Module):
+    """A root with a param of its own before ``body``, which returns what ``forward`` returns."""
+
+    def __init__(self, body: nn.Module, post: Any = None) -> None:
+        super().__init__()
+        self.pre = nn.Linear(WIDTH, WIDTH)
+        self.body = body
+        self.post = post
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.body(self.pre(x))
+        return self.post(out) if self.post is not None else out
+
+
+def _stored_loss(model: Any, x: torch.Tensor) -> torch.Tensor:
+    model(x)
+    inner = _inner(model)
+    stored = inner.body if isinstance(inner, Wraps) else inner
+    return stored.cached.square().mean()
+
+
+def _baseline(model: nn.Module, bf16: bool, **ddp: Any) -> Any:
+    return SameDtypeReference(model, torch.bfloat16, torch.float32) if bf16 else ddp_of(model, **ddp)
+
+
+def _policy(bf16: bool) -> Any:
+    return impl.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else impl.MixedPrecisionPolicy()
+
+
+def stored_intermediate_loss(configs: list[tuple[str, Any, bool, bool]]) -> None:
+    """Each (where, reshard_after_forward, bf16, input needs grad): the module storing the intermediate
+    is the root, or a child of a root; ``STEPS`` Adam steps of a loss read from the stored tensor = the
+    baseline (DDP, or the same-dtype one under bf16 / fp32)."""
+    for where, reshard, bf16, input_grad in configs:
+        checks = StrictChecks("FSDP 1D bf16" if bf16 else "FSDP 1D fp32")
+        torch.manual_seed(0)
+        model = StoresIntermediate() if where == "root" else Wraps(StoresIntermediate())
+        reference = _baseline(model, bf16)
+        options = dict(mesh=checks.mesh, mp_policy=_policy(bf16))
+        if where == "root":
+            impl.fully_shard(model, reshard_after_forward=reshard, **options)
+        else:
+            impl.fully_shard(model.body, reshard_after_forward=reshard, **options)
+            impl.fully_shard(model, **options)
+        batches = [x.requires_grad_(input_grad) for x in rank_batches(checks.rank, (4, WIDTH), steps=STEPS)]
+        label = f"{where} reshard_after_forward={reshard} {'bf16' if bf16 else 'fp32'} input grad={input_grad}"
+        train_against(checks, model, reference, batches, _stored_loss, checks.tol, label=label)
+
+
+class ReturnsView(nn.Module):
+    """Returns a view of its output: the caller changes it in place, replacing the autograd node the
+    engine hooked for the pre-backward gather."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).view(-1, WIDTH)
+
+
+class InPlaceOnOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(WIDTH, WIDTH)
+        self.body = ReturnsView()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.body(torch.tanh(self.pre(x)))
+        out += 1  # in place, on the view the sharded child returned
+        return torch.tanh(out)
+
+
+class Box:
+    """A container no engine can open (not a tuple, list, dict nor dataclass)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class ReturnsBox(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> Box:
+        return Box(self.lin(x))
+
+
+class OpensBox(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(WIDTH, WIDTH)
+        self.body = ReturnsBox()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.body(torch.tanh(self.pre(x))).tensor)
+
+
+def outputs_hidden_from_hooks(configs: list[tuple[str, Any, bool]]) -> None:
+    """Each (pattern, the child's reshard_after_forward, bf16): an output changed in place through a view
+    (``inplace``), or returned inside a container (``box``); ``STEPS`` Adam steps = the baseline."""
+    for pattern, reshard, bf16 in configs:
+        checks = StrictChecks("FSDP 1D bf16" if bf16 else "FSDP 1D fp32")
+        torch.manual_seed(0)
+        model = InPlaceOnOutput() if pattern == "inplace" else OpensBox()
+        reference = _baseline(model, bf16)
+        options = dict(mesh=checks.mesh, mp_policy=_policy(bf16))
+        impl.fully_shard(model.body, reshard_after_forward=reshard, **options)
+        impl.fully_shard(model, **options)
+        batches = rank_batches(checks.rank, (4, WIDTH), steps=STEPS)
+        label = f"{pattern} reshard_after_forward={reshard} {'bf16' if bf16 else 'fp32'}"
+        train_against(checks, model, reference, batches, square_mean, checks.tol, label=label)
+
+
+class Gated(nn.Module):
+    """``extra`` takes part on the ranks in ``users`` only: its param gets a grad on those ranks alone."""
+
+    def __init__(self, users: set[int]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.extra = nn.Linear(WIDTH, WIDTH)
+        self.uses_extra = dist.get_rank() in users
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        return out + self.extra(x) if self.uses_extra else out
+
+
+def params_some_ranks_skip(comm_fusion: bool, opt_in: bool) -> None:
+    """A sharded module whose ``extra`` layer runs on rank 0 only (under a root with a layer of its own):
+    no collective mismatch, and ``STEPS`` Adam steps = DDP(find_unused_parameters=True). ``opt_in``:
+    with ``set_reduce_scatter_unused_params(True)`` as well."""
+    checks = StrictChecks("FSDP 1D fp32")
+    torch.manual_seed(0)
+    model = Wraps(Gated(users={0}))
+    reference = ddp_of(model, find_unused_parameters=True)
+    shard_nested(model, [model.body], mesh=checks.mesh, comm_fusion=comm_fusion)
+    if opt_in:
+        model.set_reduce_scatter_unused_params(True)
+    batches = rank_batches(checks.rank, (4, WIDTH), steps=STEPS)
+    train_against(checks, model, reference, batches, square_mean, checks.tol, label=f"fusion={comm_fusion}")
+
+
+def grad_dtype_kept(reshard: Any) -> None:
+    """bf16 params given ``grad_dtype = float32`` before ``fully_shard``: the sharded params' grads are
+    fp32 and equal the fp32 mean of every rank's fp32 grads (a plain bf16 model with the same grad_dtype,
+    each rank's grads all-reduced), over two backwards accumulated into ``.grad``: terms below bf16's
+    resolution survive."""
+    checks = StrictChecks("FSDP 1D bf16")
+    torch.manual_seed(0)
+    model = Wraps(nn.Linear(WIDTH, WIDTH)).to(torch.bfloat16)
+    plain = Wraps(nn.Linear(WIDTH, WIDTH)).to(torch.bfloat16)
+    plain.load_state_dict(model.state_dict())
+    for param in [*model.parameters(), *plain.parameters()]:
+        param.grad_dtype = torch.float32
+    shard_nested(model, [model.body], mesh=checks.mesh, reshard_after_forward=reshard)
+    batches = [x.to(torch.bfloat16) for x in rank_batches(checks.rank, (4, WIDTH), steps=2)]
+    for x in batches:  # two backwards accumulate into .grad: in fp32 on both
+        square_mean(model, x).backward()
+        square_mean(plain, x).backward()
+    for name, param in plain.named_parameters():
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+        param.grad.div_(dist.get_world_size())
+        got = model.get_parameter(name).grad
+        checks.equal(f"{name} grad dtype", str(None if got is None else got.dtype), str(torch.float32))
+        checks.close(f"{name} grad", full(got), param.grad, checks.tol.grad)
+
+
+def optimizer_after_a_forward() -> None:
+    """An optimizer built after a first forward on a root that keeps its params gathered (a warm-up
+    forward) holds the unsharded copies: its step is refused, naming a param and the fix; built after
+    ``reshard()`` instead, training = DDP."""
+    checks = StrictChecks("FSDP 1D fp32")
+    torch.manual_seed(0)
+    model = Wraps(StoresIntermediate())
+    reference = ddp_of(model)
+    shard_nested(model, [model.body], mesh=checks.mesh)
+    x = rank_batches(checks.rank, (4, WIDTH), steps=1)[0]
+    with torch.no_grad():
+        model(x)  # warm-up: the root keeps its own params gathered
+    early = torch.optim.Adam(model.parameters())
+    square_mean(model, x).backward()
+    error = raised(early.step)
+    checks.equal("optimizer over the gathered copies: refused", type(error).__name__, "RuntimeError")
+    message = str(error)
+    checks.true("the refusal names the param and the fix", "'weight'" in message and "reshard()" in message, message)
+    model.zero_grad()
+    model.reshard()
+    batches = rank_batches(checks.rank, (4, WIDTH), steps=STEPS)
+    train_against(checks, model, reference, batches, square_mean, checks.tol)
+
+
+def param_registered_again(built: str) -> None:
+    """A plain full-shape param registered in a sharded param's place: an optimizer built over the
+    plain param (before the forward that shards it) is refused at its step, naming the param and the fix;
+    one built after that forward (and a ``reshard()``) trains it = DDP with the same new values. Registered
+    again between steps, the next forward computes with the new values, as the plain model does."""
+    checks = StrictChecks("FSDP 1D fp32")
+    torch.manual_seed(0)
+    model = Wraps(nn.Linear(WIDTH, WIDTH))
+    new_weight = torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(5))
+    shard_nested(model, [model.body], mesh=checks.mesh)
+    x = rank_batches(checks.rank, (4, WIDTH), steps=1)[0]
+    if built == "between steps":
+        model(x).square().mean().backward()
+        model.zero_grad()
+    model.body.weight = nn.Parameter(new_weight.clone())
+    plain = Wraps(nn.Linear(WIDTH, WIDTH))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name != "body.weight":
+                plain.get_parameter(name).copy_(full(param))
+    plain.body.weight = nn.Parameter(new_weight.clone())
+    early = torch.optim.Adam(model.parameters())
+    checks.close("forward with the param registered again", full(model(x)), plain(x), checks.tol.loss)
+    square_mean(model, x).backward()
+    error = raised(early.step)
+    checks.equal("optimizer over the replaced plain param: refused", type(error).__name__, "RuntimeError")
+    message = str(error)
+    checks.true("the refusal names the param and the fix", "'weight'" in message and "after that forward" in message, message)
+    model.zero_grad()
+    model.reshard()
+    reference = ddp_of(plain)
+    batches = rank_batches(checks.rank, (4, WIDTH), steps=STEPS)
+    train_against(checks, model, reference, batches, square_mean, checks.tol)
