@@ -263,7 +263,9 @@ def param_registered_again(built: str) -> None:
     error = raised(early.step)
     checks.equal("optimizer over the replaced plain param: refused", type(error).__name__, "RuntimeError")
     message = str(error)
-    checks.true("the refusal names the param and the fix", "'weight'" in message and "after that forward" in message, message)
+    checks.true(
+        "the refusal names the param and the fix", "'weight'" in message and "after that forward" in message, message
+    )
     model.zero_grad()
     model.reshard()
     reference = ddp_of(plain)
