@@ -43,6 +43,19 @@ class StoresIntermediate(nn.Module):
         return hidden + 1
 
 
+class AddsOnly(StoresIntermediate):
+    """Stores ``x + shift``: no op of its forward saves a param, so only the param's own grad arriving
+    tells the engine backward reached it."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.shift = nn.Parameter(torch.linspace(-1.0, 1.0, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cached = x + self.shift
+        return self.cached + 1
+
+
 class Wraps(nn.Module):
     """A root with a param of its own before ``body``, which returns what ``forward`` returns."""
 
@@ -74,15 +87,16 @@ def _policy(bf16: bool) -> Any:
 
 def stored_intermediate_loss(configs: list[tuple[str, Any, bool, bool]]) -> None:
     """Each (where, reshard_after_forward, bf16, input needs grad): the module storing the intermediate
-    is the root, or a child of a root; ``STEPS`` Adam steps of a loss read from the stored tensor = the
-    baseline (DDP, or the same-dtype one under bf16 / fp32)."""
+    is the root, a child of a root, or a root whose forward saves no param (``adds only``); ``STEPS``
+    Adam steps of a loss read from the stored tensor = the baseline (DDP, or the same-dtype one under
+    bf16 / fp32)."""
     for where, reshard, bf16, input_grad in configs:
         checks = StrictChecks("FSDP 1D bf16" if bf16 else "FSDP 1D fp32")
         torch.manual_seed(0)
-        model = StoresIntermediate() if where == "root" else Wraps(StoresIntermediate())
+        model = {"root": StoresIntermediate, "adds only": AddsOnly}.get(where, lambda: Wraps(StoresIntermediate()))()
         reference = _baseline(model, bf16)
         options = dict(mesh=checks.mesh, mp_policy=_policy(bf16))
-        if where == "root":
+        if where != "child":
             impl.fully_shard(model, reshard_after_forward=reshard, **options)
         else:
             impl.fully_shard(model.body, reshard_after_forward=reshard, **options)

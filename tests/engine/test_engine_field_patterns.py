@@ -17,6 +17,8 @@ STORED = [
     ("root", True, False, True),
     ("root", True, True, False),
     ("root", False, False, False),
+    ("adds only", None, False, False),
+    ("adds only", True, False, False),
     ("child", True, False, True),
     ("child", True, True, True),
     ("child", True, False, False),

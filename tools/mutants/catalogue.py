@@ -31,7 +31,23 @@ ALL_GATHER = _PLATFORM + "all_gather.py"
 PARAM_GROUP = _PLATFORM + "param_group.py"
 COLLECTIVES = _PLATFORM + "collectives.py"
 STATE = _PLATFORM + "state.py"
-ENGINE_FILES = (API, INIT, UTILS, MESH_INFO, LAYOUT, PARAM, PARAM_GRADS, PARAM_GROUP, ALL_GATHER, COLLECTIVES, STATE)
+SAVED_PARAMS = _PLATFORM + "saved_params.py"
+OPTIMIZER_GUARD = _PLATFORM + "optimizer_guard.py"
+ENGINE_FILES = (
+    API,
+    INIT,
+    UTILS,
+    MESH_INFO,
+    LAYOUT,
+    PARAM,
+    PARAM_GRADS,
+    PARAM_GROUP,
+    ALL_GATHER,
+    COLLECTIVES,
+    STATE,
+    SAVED_PARAMS,
+    OPTIMIZER_GUARD,
+)
 
 
 class MutantError(ValueError):
@@ -287,7 +303,7 @@ MUTANTS: tuple[Mutant, ...] = (
         PARAM_GRADS,
         "mixed precision grad dtype",
         "param.grad takes the reduce dtype instead of the sharded param's dtype",
-        "        target_dtype = torch.float32 if self.use_main_grad else self.orig_dtype\n",
+        "        target_dtype = torch.float32 if self.use_main_grad else self.grad_dtype\n",
         "        target_dtype = torch.float32 if self.use_main_grad else reduced.dtype\n",
     ),
     Mutant(
@@ -424,10 +440,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "recompute under AC",
         "pre-forward skips the unshard while recomputing (a reentrant recompute sees the sharded params)",
         "        if self.param_group is not None:\n"
+        "            if not recomputing:\n"
+        "                self.param_group.adopt_registered_params(self.mp_policy)\n"
         "            self.param_group.unshard()\n"
         "            self.param_group.wait_for_unshard()\n"
         "            if grad_enabled:\n",
         "        if self.param_group is not None and not recomputing:\n"
+        "            self.param_group.adopt_registered_params(self.mp_policy)\n"
         "            self.param_group.unshard()\n"
         "            self.param_group.wait_for_unshard()\n"
         "            if grad_enabled:\n",
@@ -498,8 +517,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "pipeline microbatches",
         "a backward does not list the groups it reaches: after a pipeline's first backward, a group "
         "finished only at the end of backward is never reduced",
-        "        self.iteration.states_in_iteration[self] = None\n        self.iteration.queue_final_callback()\n",
-        "        self.iteration.queue_final_callback()\n",
+        "        self.iteration.states_in_iteration[self] = None\n"
+        "        self.iteration.queue_final_callback()\n"
+        "        self.training_state = TrainingState.PRE_BACKWARD\n"
+        "        if self.param_group is not None and self.param_group.unshard_in_backward:\n",
+        "        self.iteration.queue_final_callback()\n"
+        "        self.training_state = TrainingState.PRE_BACKWARD\n"
+        "        if self.param_group is not None and self.param_group.unshard_in_backward:\n",
     ),
     Mutant(
         "45",
@@ -598,8 +622,8 @@ MUTANTS: tuple[Mutant, ...] = (
         PARAM_GROUP,
         "unused params",
         "set_reduce_scatter_unused_params is ignored: a rank that skipped a param reduces fewer grads",
-        "            if self.reduce_scatter_unused_params:\n",
-        "            if False:\n",
+        "            if self.reduce_scatter_unused_params or (ready and len(ready) < len(self.params)):\n",
+        "            if ready and len(ready) < len(self.params):\n",
     ),
     Mutant(
         "57",
@@ -782,8 +806,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "frozen and unused params",
         "field defect 23: post-backward reduces every param of the group, a frozen or unused one with no grad "
         "too: the reduction crashes on its missing grad",
-        "            ready = [p for p in self.params if p.unreduced_grad is not None]\n",
-        "            ready = list(self.params)\n",
+        "            ready = [p for p in self.params if p.unreduced_grad is not None]\n"
+        "            if self.reduce_scatter_unused_params or (ready and len(ready) < len(self.params)):\n",
+        "            ready = list(self.params)\n"
+        "            if self.reduce_scatter_unused_params or (ready and len(ready) < len(self.params)):\n",
     ),
     Mutant(
         "77",
@@ -887,6 +913,71 @@ MUTANTS: tuple[Mutant, ...] = (
         "its flat buffer, every rank's shards, stays alive beside the shards after resharding",
         "        self._all_gather.wait()\n        self._all_gather = None\n",
         "        self._all_gather.wait()\n",
+    ),
+    Mutant(
+        "87",
+        STATE,
+        "grads by any backward path (end of backward)",
+        "issue 52: a grad accumulating into an unsharded param does not queue the end-of-backward callback: "
+        "a loss read from a tensor the forward stored, input needing no grad, leaves every grad unreduced",
+        "        self.iteration.states_in_iteration[self] = None\n"
+        "        self.iteration.queue_final_callback()\n\n"
+        "    def post_backward(self) -> None:\n",
+        "        self.iteration.states_in_iteration[self] = None\n\n    def post_backward(self) -> None:\n",
+    ),
+    Mutant(
+        "88",
+        SAVED_PARAMS,
+        "params saved in forward (by any path)",
+        "issue 52: the pack hook never recognises a param: a backward reaching a resharded module by a path "
+        "its outputs' hooks do not see reads a freed storage",
+        "            is_param = id(tensor) in param_ids or (base is not None and id(base) in param_ids)\n",
+        "            is_param = False\n",
+    ),
+    Mutant(
+        "89",
+        SAVED_PARAMS,
+        "params saved in forward (gather on unpack)",
+        "issue 52: unpacking a saved param does not gather its group first",
+        "            if type(packed) is _SavedParam and packed.owner is self:\n"
+        "                unshard()\n"
+        "                packed = packed.packed\n",
+        "            if type(packed) is _SavedParam and packed.owner is self:\n"
+        "                packed = packed.packed\n",
+    ),
+    Mutant(
+        "90",
+        PARAM_GROUP,
+        "params some ranks skip",
+        "issue 52: only set_reduce_scatter_unused_params gives an unused param zeros: a param used on some "
+        "ranks alone makes the ranks issue different collectives (pytorch#158719)",
+        "            if self.reduce_scatter_unused_params or (ready and len(ready) < len(self.params)):\n",
+        "            if self.reduce_scatter_unused_params:\n",
+    ),
+    Mutant(
+        "91",
+        PARAM,
+        "grad_dtype",
+        "issue 52: a grad_dtype set before fully_shard is not read: bf16 grads, small accumulated terms lost "
+        "(pytorch#170648)",
+        "        self.user_grad_dtype = user_grad_dtype(param)\n",
+        "        self.user_grad_dtype = None\n",
+    ),
+    Mutant(
+        "92",
+        OPTIMIZER_GUARD,
+        "optimizers built at any time (refusal)",
+        "issue 52: the optimizer step pre-hook finds a tensor the model does not train and lets it step",
+        "            raise RuntimeError(entry[1])\n",
+        "            pass\n",
+    ),
+    Mutant(
+        "93",
+        OPTIMIZER_GUARD,
+        "optimizers built at any time (hook)",
+        "issue 52: the optimizer step pre-hook is registered only if one was already (never)",
+        "    if _hook_handle is None:\n",
+        "    if _hook_handle is not None:\n",
     ),
 )
 

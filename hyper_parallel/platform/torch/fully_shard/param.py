@@ -345,13 +345,18 @@ class HSDPParam(GradientSide):
         )
         self._keep_grad_dtype(self.unsharded_param)  # autograd accumulates in it
         if self.unsharded_param.requires_grad:
-            self.unsharded_param.register_post_accumulate_grad_hook(self._grad_accumulated)
+            # on the param's grad accumulator, not the param: a hook of the engine's own, which the user's
+            # hooks on the registered params never count; held here, so autograd reuses this node for every
+            # graph the param enters
+            with torch.enable_grad():
+                self._grad_accumulator = self.unsharded_param.view_as(self.unsharded_param).grad_fn.next_functions[0][0]
+            self._grad_accumulator.register_hook(self._grad_accumulated)
         if self.user_grad_hooks and self.unsharded_param.requires_grad:
             self.unsharded_param.register_hook(user_grad_hooks(self.user_grad_hooks))
         # The plain tensor this engine fills and frees (shares storage with the param).
         self.unsharded_local = self._tp_local(self.unsharded_param)
 
-    def _grad_accumulated(self, _: torch.Tensor) -> None:
+    def _grad_accumulated(self, *_: object) -> None:
         if self.on_grad is not None:
             self.on_grad()
 

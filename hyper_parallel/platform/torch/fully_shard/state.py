@@ -398,11 +398,13 @@ class HSDPState:
     def _unshard_for_saved(self) -> None:
         """Backward reads a param this module's forward saved: gather the group first where no hook on
         the outputs did (the pre-backward's work), and have the end of backward finish it."""
-        group = self.param_group
-        if group.is_unsharded or not _inside_backward():
+        if not _inside_backward():
             return
         self.iteration.states_in_iteration[self] = None
         self.iteration.queue_final_callback()
+        group = self.param_group
+        if group.is_unsharded:
+            return
         self.training_state = TrainingState.PRE_BACKWARD
         group.unshard()
         group.wait_for_unshard()
