@@ -7,6 +7,7 @@ kit's checks, or is refused at the optimizer step with the param and the fix nam
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -21,6 +22,20 @@ from tests.kit.workloads.training import shard_nested, square_mean, train_agains
 
 WIDTH = 8
 STEPS = 2
+# torch 2.6 and 2.7 do not let the engine read the saved-tensor hooks a user pushed, so it stacks none of
+# its own there (docs/api.md): a backward reaching resharded params by a path the outputs' hooks do not
+# see fails there as on FSDP2, with freed storage; the tests below expect that failure on those releases
+SAVED_PARAMS_GATHERED = hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
+
+
+def _trains_or_fails_as_documented(checks: StrictChecks, label: str, needs_gather: bool, train: Any) -> None:
+    """``train()``; where this release cannot gather saved params again and the pattern needs it, the
+    documented failure instead: autograd reading a freed storage."""
+    if SAVED_PARAMS_GATHERED or not needs_gather:
+        train()
+        return
+    error = raised(train)
+    checks.true(f"{label}: fails on torch {torch.__version__} with freed storage", "storage" in str(error), str(error))
 
 
 def _inner(model: Any) -> nn.Module:
@@ -103,7 +118,14 @@ def stored_intermediate_loss(configs: list[tuple[str, Any, bool, bool]]) -> None
             impl.fully_shard(model, **options)
         batches = [x.requires_grad_(input_grad) for x in rank_batches(checks.rank, (4, WIDTH), steps=STEPS)]
         label = f"{where} reshard_after_forward={reshard} {'bf16' if bf16 else 'fp32'} input grad={input_grad}"
-        train_against(checks, model, reference, batches, _stored_loss, checks.tol, label=label)
+        _trains_or_fails_as_documented(
+            checks,
+            label,
+            needs_gather=bool(reshard) and reshard != 1 and where != "adds only",
+            train=functools.partial(
+                train_against, checks, model, reference, batches, _stored_loss, checks.tol, label=label
+            ),
+        )
 
 
 class ReturnsView(nn.Module):
@@ -169,7 +191,14 @@ def outputs_hidden_from_hooks(configs: list[tuple[str, Any, bool]]) -> None:
         impl.fully_shard(model, **options)
         batches = rank_batches(checks.rank, (4, WIDTH), steps=STEPS)
         label = f"{pattern} reshard_after_forward={reshard} {'bf16' if bf16 else 'fp32'}"
-        train_against(checks, model, reference, batches, square_mean, checks.tol, label=label)
+        _trains_or_fails_as_documented(
+            checks,
+            label,
+            needs_gather=bool(reshard),
+            train=functools.partial(
+                train_against, checks, model, reference, batches, square_mean, checks.tol, label=label
+            ),
+        )
 
 
 class Gated(nn.Module):
@@ -207,6 +236,9 @@ def grad_dtype_kept(reshard: Any) -> None:
     each rank's grads all-reduced), over two backwards accumulated into ``.grad``: terms below bf16's
     resolution survive."""
     checks = StrictChecks("FSDP 1D bf16")
+    if not hasattr(torch.Tensor, "grad_dtype"):  # torch before 2.9: no grad_dtype for a user to set
+        checks.true(f"torch {torch.__version__} has no grad_dtype", not hasattr(torch.Tensor, "grad_dtype"))
+        return
     torch.manual_seed(0)
     model = Wraps(nn.Linear(WIDTH, WIDTH)).to(torch.bfloat16)
     plain = Wraps(nn.Linear(WIDTH, WIDTH)).to(torch.bfloat16)

@@ -124,6 +124,7 @@ def configs(
         if "to_dtype_after_forward" in features:  # the cast may meet gathered groups
             hows = ("", "eval", "unshard") if "unshard_reshard" in features else ("", "eval")
             config.cast_gathered = draw(st.sampled_from(hows))
+    draw(patterns(config, features))
     model = build(config)
     modules, params = names(model)
     config.groups = draw(groups(config, modules, params, features, tuple(tied_halves(model))))
@@ -149,6 +150,19 @@ def configs(
 
 
 @st.composite
+def patterns(draw: Any, config: Config, features: frozenset[str]) -> None:
+    """FSDP2 users' patterns (``tests.kit.explore.patterns``), each where declared: every param frozen
+    through the first forward; a head run only on each step's last micro-batch (``groups`` decides
+    whether it is in a call of its own); views modified in place; intermediates the loss reads."""
+    if "freeze_through_lazy_init" in features and one_in(draw, 5):
+        config.freeze_first = True
+    if {"first_grad_on_synced_microbatch", "unit_skips_nosync_microbatches"} & features and one_in(draw, 4):
+        config.late = True
+    config.inplace_view = "inplace_on_output_view" in features and one_in(draw, 5)
+    config.stored_loss = "stored_intermediate_loss" in features and one_in(draw, 5)
+
+
+@st.composite
 def groups(
     draw: Any,
     config: Config,
@@ -161,7 +175,11 @@ def groups(
     unrelated modules where list input is declared; at times a call of its own on the first half of
     a tied pair (``halves``) ignoring the shared weight, which the calls above reach too."""
     candidates = sorted(path for path in modules if path)
+    if config.late and "unit_skips_nosync_microbatches" not in features:
+        candidates.remove("late")  # the late head stays in the root's call
     chosen = draw(st.lists(st.sampled_from(candidates), unique=True, max_size=4)) if candidates else []
+    if config.late and "first_grad_on_synced_microbatch" not in features and "late" not in chosen:
+        chosen.append("late")  # the late head in a call of its own
     nested = {"ignored_params", "ignored_params_nested"} <= features and halves
     if nested and one_in(draw, 3):
         half = draw(st.sampled_from(halves))

@@ -32,7 +32,13 @@ class Out:
 
 
 class Leaf(nn.Module):
-    """One leaf of the grammar, computing in its weight's dtype."""
+    """One leaf of the grammar, computing in its weight's dtype; where a pattern says
+    (``tests.kit.explore.patterns``), returning a view of its output (``view_out``), or storing an
+    intermediate, computed from its input and weight after its output, for the loss (``stores``)."""
+
+    view_out = False
+    stores = False
+    stored: torch.Tensor | None = None
 
     def __init__(self, layer: Layer, width: int) -> None:
         super().__init__()
@@ -72,7 +78,10 @@ class Leaf(nn.Module):
             out = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(w.dtype) * w
         else:  # conv1d over the feature axis, one input channel, averaged back over its channels
             out = F.conv1d(x.unsqueeze(1), w, b, padding=w.shape[-1] // 2).mean(1)
-        return out * self.scale.to(out.dtype) if self.scale is not None else out
+        out = out * self.scale.to(out.dtype) if self.scale is not None else out
+        if self.stores and self.kind == "linear":
+            self.stored = F.linear(x, w).float().mean()
+        return out.view(out.shape) if self.view_out else out
 
 
 class ListBlock(nn.Module):
@@ -156,6 +165,8 @@ def _build(node: Node, width: int) -> tuple[nn.Module, int]:
 class Net(nn.Module):
     """The configuration's model: input adapter, body, output adapter."""
 
+    late_on = True  # whether the ``late`` head runs in this forward (False on a step's held micro-batches)
+
     def __init__(self, config: Config) -> None:
         super().__init__()
         torch.manual_seed(config.seed)
@@ -166,6 +177,12 @@ class Net(nn.Module):
             self.embed = nn.Embedding(config.dim, width)
             nn.init.uniform_(self.embed.weight, -INIT, INIT)  # as small as the leaves' inputs
         self.body, self.width = _build(config.body, width)
+        # a head run only on each step's last micro-batch (``late_on``, set by the driver): L4's patterns
+        self.late = Leaf(Layer("linear", self.width), self.width) if config.late else None
+        self.inplace_view = config.inplace_view
+        for module in self.modules():
+            if isinstance(module, Leaf):
+                module.view_out, module.stores = config.inplace_view, config.stored_loss
         # the root's own param: a grad path whatever is frozen (one per feature where shards are even)
         self.gain = nn.Parameter(torch.ones(self.width if config.even else 1))
 
@@ -178,6 +195,11 @@ class Net(nn.Module):
         elif self.input_kind == "keyword":
             x = x * scale.to(x.dtype)
         y = self.body(x)
+        if self.inplace_view:
+            y.mul_(1.0)  # in place, on the view the body's last leaf returned
+        if self.late is not None and self.late_on:
+            z = self.late(y)
+            y = y.to(z.dtype) + z
         y = y * self.gain.to(y.dtype)
         aux = y.float().mean()
         if self.output_kind == "tuple":
@@ -218,9 +240,21 @@ def first_tensor(output: Any) -> torch.Tensor:
 HALF_PRECISION_LOSS_SCALE = 1 / 128
 
 
-def loss_of(output: Any, scale: float = 1.0) -> torch.Tensor:
-    """The loss every configuration trains: the mean square of the main output, in fp32, times ``scale``."""
-    return first_tensor(output).float().square().mean() * scale
+def loss_of(output: Any, scale: float = 1.0, model: nn.Module | None = None) -> torch.Tensor:
+    """The loss every configuration trains: the mean square of the main output, in fp32, plus the
+    intermediates ``model``'s leaves stored in this forward, times ``scale``."""
+    loss = first_tensor(output).float().square().mean()
+    for module in model.modules() if model is not None else ():
+        if isinstance(module, Leaf) and module.stored is not None:
+            loss = loss + module.stored
+    return loss * scale
+
+
+def clear_stored(model: nn.Module) -> None:
+    """Drop what ``model``'s leaves stored in an earlier forward (a forward stores afresh)."""
+    for module in model.modules():
+        if isinstance(module, Leaf):
+            module.stored = None
 
 
 def batch(config: Config, step: int, micro: int, rank: int) -> tuple[tuple, dict]:

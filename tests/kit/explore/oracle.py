@@ -35,12 +35,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from tests.kit.explore.gathers import GatherLedger, Unit
-from tests.kit.explore.grammar import HALF_PRECISION_LOSS_SCALE, Tied, batch, build, loss_of
+from tests.kit.explore.grammar import HALF_PRECISION_LOSS_SCALE, batch, build, loss_of
 from tests.kit.explore.invariants import Invariants
 from tests.kit.explore.lifetimes import Lifetimes
+from tests.kit.explore.patterns import Patterns
 from tests.kit.explore.promised import DTYPES, Meshes, PromisedReference, param_plans, precision_row
 from tests.kit.explore.received import Received
 from tests.kit.explore.setups import SetUps, registrations
@@ -57,7 +57,7 @@ from tests.kit.runtime.devices import compute_device
 from tests.kit.runtime.rank_runtime import keep
 
 
-class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes):
+class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patterns):
     """One configuration on this rank: the model under test beside its reference, checked."""
 
     def __init__(self, config: Config, ctx: CaseContext) -> None:
@@ -167,24 +167,6 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes):
         if group.separate_reduce:
             module.set_separate_reduce_scatter_group(True, recurse=False)
 
-    def _materialise(self) -> None:
-        """Deferred init: the meta-built, sharded model's storage made on this rank's device, then
-        filled from rank 0's full state dict (broadcast; the other ranks pass none), as FSDP2
-        users load a checkpoint into a model too big for one device."""
-        self.model.to_empty(device=compute_device())
-        for path, param in self.model.named_parameters():
-            self.ctx.true(
-                f"after to_empty {path}: materialised (not on the meta device)", not impl.local(param).is_meta
-            )
-        if self._layout_broken():
-            return  # a load into meta shards could only raise, and hide this
-        for module in self.model.modules():
-            if isinstance(module, Tied):
-                module.tie()
-        full_state = build(self.config).state_dict() if self.ctx.rank == 0 else {}
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(self.model, full_state, options=options)
-
     def _options(self, group: Group, by_id: dict[int, str]) -> dict[str, Any]:
         named = dict(self.model.named_parameters())
         options: dict[str, Any] = {"mesh": self.meshes.of(group.mesh)}
@@ -237,6 +219,8 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes):
             return  # training on a wrong layout only repeats the failure, or raises and hides it
         opts = self._optimizer(self.model.parameters()), self._optimizer(self.reference.master.parameters())
         self.trace = traced(self.model, self.reference)  # the diagnosis's (tests.kit.judging.divergence)
+        if self.config.freeze_first:
+            self._frozen_first_forward()
         steps = self.config.steps
         for index, step in enumerate(steps):
             if step.reset_iter_state:  # nothing in flight here: it only reshards
@@ -375,6 +359,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes):
             for module in self.hsdp_modules[step.sync_group]:
                 module.set_requires_gradient_sync(syncs, recurse=False)
         args, kwargs = batch(self.config, step_index, micro, self.ctx.rank)
+        self._late_switch(last, fresh=True)  # the late head runs on the last micro-batch only
         self.after_forward.clear()
         self.reached.clear()
         gathers, calls = self.gathers.forward(), self.gathers.forward_calls()
@@ -382,6 +367,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes):
             out, forward = self._forward(step, args, kwargs, where)
         self._check_gathers(f"{where} forward", forward, gathers, calls)
         self.gathers.after_forward(self._resharded_after_forward(), self._rows_gather)
+        self._late_switch(last)  # a late head's call that ran no forward: as it was, unknown
         taken = None
         if step.state_dict_at == "between" and last:  # loaded back after backward: torch's in-place rule
             taken = self._state_dict_check(f"{where} between forward and backward")
@@ -389,7 +375,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes):
         self.backward_starts = []
         with record_collectives() as backward:
             self._backward_rec = backward
-            loss = loss_of(out, self.loss_scale)
+            loss = loss_of(out, self.loss_scale, self.model)
             with self._creating():
                 loss.backward()
             self._backward_rec = None
@@ -402,7 +388,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes):
         rec = CollectiveRecorder()
         rec.calls = forward.calls + backward.calls
         ref_out = self.reference.forward(args, kwargs, step.method)
-        ref_loss = loss_of(ref_out, self.loss_scale)
+        ref_loss = loss_of(ref_out, self.loss_scale, self.reference.compute)
         ref_loss.backward()
         held = not (syncs or step.hold_with_last_backward)  # the calls holding back (their sync off)
         reduces = [not held or step.sync_group not in (None, i) for i in range(len(self.config.groups))]
@@ -416,6 +402,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes):
             self.model.load_state_dict(taken)
         if step.state_dict_at == "after" and last:
             self._state_dict_round_trip(f"{where} after backward")
+        self._late_switch(True, fresh=True)  # what the leaves stored is freed with the step's graph
 
     def _forward(self, step: Any, args: tuple, kwargs: dict, where: str) -> tuple[Any, CollectiveRecorder]:
         """The model's forward (or its registered method), its collectives recorded, prefetch timing checked."""

@@ -1,4 +1,5 @@
-"""L4's set-up paths that meet the implementation mid-run (a mixin of ``oracle.Example``): a nested
+"""L4's set-up paths that meet the implementation mid-run (a mixin of ``oracle.Example``): deferred
+init (built on the meta device, sharded, ``to_empty``, rank 0's full state dict loaded), a nested
 call's ignored params checked at every call above, groups left gathered before a cast or a load (an
 evaluation forward under ``no_grad``, ``unshard()``), and a forward that fails part-way, then
 ``reset_iter_state()``."""
@@ -9,9 +10,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from tests.kit.explore.grammar import batch, loss_of
+from tests.kit.explore.grammar import Tied, batch, build, loss_of
 from tests.kit.judging.surface import impl
+from tests.kit.runtime.devices import compute_device
 
 
 class SetUps:
@@ -48,6 +51,24 @@ class SetUps:
                 label = f"call {index}, above call {plan.group} that ignored {path}: {name} is that plain tensor"
                 kept = param is self.ignored_objects.get(path) and not impl.is_sharded(param)
                 self.ctx.true(label, kept, type(param).__name__)
+
+    def _materialise(self) -> None:
+        """Deferred init: the meta-built, sharded model's storage made on this rank's device, then
+        filled from rank 0's full state dict (broadcast; the other ranks pass none), as FSDP2
+        users load a checkpoint into a model too big for one device."""
+        self.model.to_empty(device=compute_device())
+        for path, param in self.model.named_parameters():
+            self.ctx.true(
+                f"after to_empty {path}: materialised (not on the meta device)", not impl.local(param).is_meta
+            )
+        if self._layout_broken():
+            return  # a load into meta shards could only raise, and hide this
+        for module in self.model.modules():
+            if isinstance(module, Tied):
+                module.tie()
+        full_state = build(self.config).state_dict() if self.ctx.rank == 0 else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(self.model, full_state, options=options)
 
     def _leave_gathered(self, how: str) -> None:
         """Before the cast: ``"eval"`` a forward under no_grad (the root and the calls not resharding

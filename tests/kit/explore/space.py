@@ -157,6 +157,16 @@ class Config:
     # what is gathered when the cast comes: "" nothing; "eval": a forward under torch.no_grad() just
     # before (the root and the calls not resharding after forward stay gathered); "unshard": every call unshard()-ed
     cast_gathered: str = ""
+    # usage patterns of FSDP2's users (``tests.kit.explore.patterns``): every param frozen through the
+    # first forward (the lazy init), unfrozen before the first step
+    freeze_first: bool = False
+    # a head (module ``late``) run only on each step's last micro-batch: its params first get a grad on
+    # the synced micro-batch (in the root's call), or its own call runs no forward on the held ones
+    late: bool = False
+    # every leaf returns a view of its output, and the root scales the body's output in place
+    inplace_view: bool = False
+    # every Linear leaf stores an intermediate on itself (``stored``) after its output; the loss adds it
+    stored_loss: bool = False
 
     # -- JSON -----------------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -242,6 +252,15 @@ class Config:
                 used.add("cpu_offload")
             for placement in g.placements.values():
                 used.add("placement_replicate" if placement == "Replicate()" else "shard_placement_fn")
+        if self.freeze_first:
+            used.add("freeze_through_lazy_init")
+        if self.late:  # its own call skips the held micro-batches' forwards; in the root's, a late first grad
+            own = any("late" in g.paths for g in self.groups)
+            used.add("unit_skips_nosync_microbatches" if own else "first_grad_on_synced_microbatch")
+        if self.inplace_view:
+            used.add("inplace_on_output_view")
+        if self.stored_loss:
+            used.add("stored_intermediate_loss")
         for s in self.steps:
             if not all(s.micro):
                 used.add("last_backward" if s.hold_with_last_backward else "gradient_sync")
@@ -274,9 +293,11 @@ class Config:
     def times_backward(self) -> bool:
         """Whether L4 judges backward prefetch timing: each module's backward starts once, in the
         reverse of the order forwards finish (no recompute, no list call, one param group per call,
-        every call gathered in backward, no registered method skipping the root's hooks)."""
+        every call gathered in backward, no registered method skipping the root's hooks, no output
+        modified in place: the backward hooks that time it wrap the modules' outputs)."""
         return not (
             checkpointed(self.body)
+            or self.inplace_view
             or any(len(g.paths) > 1 or g.placements or g.skips_backward_gather for g in self.groups)
             or any(step.method != "forward" for step in self.steps)
         )

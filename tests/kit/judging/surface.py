@@ -104,6 +104,12 @@ FEATURES: dict[str, str] = {
     "all_reduce_accumulation": "set_requires_all_reduce(False) on all micro-batches but the last: it all-reduces all",
     "unshard_across_step": "unshard(async_op=True) issued before an optimizer step, waited after or met in flight: "
     "the stepped params",
+    # usage patterns of FSDP2's users (L4's tests/kit/explore/patterns.py)
+    "freeze_through_lazy_init": "every param frozen (requires_grad_(False)) through the first forward, then unfrozen",
+    "first_grad_on_synced_microbatch": "a param used only on a step's last micro-batch: its first grad comes synced",
+    "unit_skips_nosync_microbatches": "a sharded module run only on a step's last micro-batch, not the held ones",
+    "inplace_on_output_view": "a sharded module returns a view of its output, a module above modifies it in place",
+    "stored_intermediate_loss": "a module stores an intermediate on itself in forward, the loss adds a term read there",
 }
 
 
