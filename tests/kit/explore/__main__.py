@@ -6,6 +6,7 @@ torch ranks against what the API promises, shrink a failure to its smallest conf
     python -m tests.kit.explore --implementation torch --examples 300  # torch FSDP2 behind its adapter
     python -m tests.kit.explore --replay 1a2b3c4d5e                    # a saved failure (or a .json path)
     python -m tests.kit.explore --implementation upstream:PATH --without ignored_params   # past a known defect
+    python -m tests.kit.explore --implementation torch --features mixed_precision,gradient_sync  # only these
 
 Exits 1 when a configuration fails (its minimal form is printed as JSON and saved under
 ``runs/l4/``), 0 otherwise; ``--profile deep`` keeps Hypothesis' example database under
@@ -58,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
+        "--features",
+        default="",
+        metavar="FEATURE[,FEATURE]",
+        help="draw only these declared features (and fully_shard): to focus the draws on a few, as a pattern",
+    )
+    parser.add_argument(
         "--keep-going",
         action="store_true",
         help="run every drawn configuration past failures; list each distinct failure, each shrunk once",
@@ -101,9 +108,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise SystemExit(f"--min-world must be in 1..--max-world ({args.max_world}), got {args.min_world}")
     if args.budget < 0:
         raise SystemExit(f"--budget must be >= 0 seconds, got {args.budget}")
-    unknown = sorted(set(_without(args)) - (set(FEATURES) - {"fully_shard"}))
-    if unknown:
-        raise SystemExit(f"--without: no such feature {', '.join(unknown)} (known: {', '.join(sorted(FEATURES))})")
+    for flag, names in (("--without", _without(args)), ("--features", _listed(args.features))):
+        unknown = sorted(set(names) - (set(FEATURES) - {"fully_shard"}))
+        if unknown:
+            raise SystemExit(f"{flag}: no such feature {', '.join(unknown)} (known: {', '.join(sorted(FEATURES))})")
     if args.replay:
         try:
             load(args.replay)
@@ -119,7 +127,11 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 
 def _without(args: argparse.Namespace) -> list[str]:
-    return [name.strip() for name in args.without.split(",") if name.strip()]
+    return _listed(args.without)
+
+
+def _listed(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def _progress(total: int, quiet: bool):
@@ -159,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(result.failure)
             return 0 if result.passed else 1
         features = features_of(cluster) - set(_without(args))
+        if args.features:  # only these (and fully_shard), where declared
+            features &= set(_listed(args.features)) | {"fully_shard"}
         known = {} if args.with_known_defects else known_defects_of(cluster)
         isolate = args.isolate or needs_fresh_engines(cluster)
         started = time.monotonic()
