@@ -317,3 +317,33 @@ def param_registered_again(built: str) -> None:
     reference = ddp_of(plain)
     batches = rank_batches(checks.rank, (4, WIDTH), steps=STEPS)
     train_against(checks, model, reference, batches, square_mean, checks.tol)
+
+
+def frozen_through_first_forward(bf16: bool, gathered: bool) -> None:
+    """Every param frozen (``requires_grad_(False)``) through the first forward, then unfrozen
+    (pytorch#186998: FSDP2 raises under a bf16 / fp32 policy); with ``gathered``, frozen while the root
+    keeps its params gathered after an evaluation forward, then resharded and unfrozen. ``STEPS`` Adam
+    steps = the baseline, and a param frozen again after training gets no grad."""
+    checks = StrictChecks("FSDP 1D bf16" if bf16 else "FSDP 1D fp32")
+    torch.manual_seed(0)
+    model = Wraps(StoresIntermediate())
+    reference = _baseline(model, bf16)
+    options = dict(mesh=checks.mesh, mp_policy=_policy(bf16))
+    impl.fully_shard(model.body, **options)
+    impl.fully_shard(model, **options)
+    x = rank_batches(checks.rank, (4, WIDTH), steps=1)[0]
+    if gathered:
+        with torch.no_grad():
+            model(x)  # the root keeps its params gathered: the user freezes those
+    model.requires_grad_(False)
+    if not gathered:
+        model(x)  # the first forward, every param frozen
+    model.reshard()
+    model.requires_grad_(True)
+    batches = rank_batches(checks.rank, (4, WIDTH), steps=STEPS)
+    train_against(checks, model, reference, batches, square_mean, checks.tol)
+    model.zero_grad()
+    model.pre.requires_grad_(False)
+    square_mean(model, x).backward()
+    frozen = [name for name, param in model.named_parameters() if name.startswith("pre.") and param.grad is not None]
+    checks.equal("params frozen after training: no grad", str(frozen), str([]))

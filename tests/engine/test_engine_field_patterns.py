@@ -69,3 +69,9 @@ def test_optimizer_built_after_a_forward(cluster):
 def test_param_registered_again(cluster, built):
     """A plain param registered again: the forward uses it; an optimizer over the replaced tensor is refused."""
     cluster.run(ranks.param_registered_again, 2, built=built)
+
+
+@pytest.mark.parametrize("bf16, gathered", [(True, False), (False, False), (False, True)])
+def test_frozen_through_the_first_forward(cluster, bf16, gathered):
+    """All params frozen through lazy init, then unfrozen (pytorch#186998), also while gathered: = the baseline."""
+    cluster.run(ranks.frozen_through_first_forward, 2, bf16=bf16, gathered=gathered)

@@ -890,11 +890,11 @@ MUTANTS: tuple[Mutant, ...] = (
         "user hooks (registered per unshard)",
         "field defect 11: the dispatcher of the user's register_hook hooks is registered again each time the "
         "unsharded param is registered (as if a swap lost it): hooks pile up, one more per unshard",
-        "    def use_unsharded(self) -> None:\n        register_in_slots(self.slots, self.unsharded_param)\n",
+        "    def use_unsharded(self) -> None:\n        self._register(self.unsharded_param)\n",
         "    def use_unsharded(self) -> None:\n"
         "        if self.user_grad_hooks and self.unsharded_param.requires_grad:\n"
         "            self.unsharded_param.register_hook(user_grad_hooks(self.user_grad_hooks))\n"
-        "        register_in_slots(self.slots, self.unsharded_param)\n",
+        "        self._register(self.unsharded_param)\n",
     ),
     Mutant(
         "85",
@@ -978,6 +978,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "issue 52: the optimizer step pre-hook is registered only if one was already (never)",
         "    if _hook_handle is None:\n",
         "    if _hook_handle is not None:\n",
+    ),
+    Mutant(
+        "94",
+        PARAM,
+        "frozen and unfrozen (requires_grad)",
+        "the params registered next do not take the requires_grad a user set on the registered ones: all "
+        "frozen through the first forward then unfrozen never get grads (pytorch#186998's pattern)",
+        "        if previous is not None and previous is not param and param.requires_grad != previous.requires_grad:\n"
+        "            param.requires_grad_(previous.requires_grad)\n",
+        "",
     ),
 )
 

@@ -231,8 +231,7 @@ class HSDPParam(GradientSide):
         )
 
     def use_sharded(self) -> None:
-        register_in_slots(self.slots, self.sharded_param)
-        self.registered = self.sharded_param
+        self._register(self.sharded_param)
 
     def use_post_forward(self, mesh: DeviceMesh) -> None:
         """Register the rows kept after forward (``reshard_after_forward=int``) as a DTensor on the
@@ -249,8 +248,7 @@ class HSDPParam(GradientSide):
             stride=contiguous_stride(self.global_shape),
         )
         param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
-        register_in_slots(self.slots, param)
-        self.registered = param
+        self._register(param)
 
     def refresh_after_apply(self, policy: Precision) -> None:
         """Follow what ``nn.Module._apply`` (``to``, ``to_empty``, ``double``, ...) did to the sharded
@@ -313,6 +311,7 @@ class HSDPParam(GradientSide):
             )
             current = fresh
         self.sharded_param = current
+        self.registered = None  # what the user registered holds, its requires_grad too
         self.refresh_after_apply(policy)  # the offload policy, dtypes and the unsharded copy follow it
         self.use_sharded()
 
@@ -343,18 +342,35 @@ class HSDPParam(GradientSide):
             "its backward, and model.parameters() lists the copies then); build the optimizer from "
             "model.parameters() before the first forward, after a backward, or after model.reshard()",
         )
-        self._keep_grad_dtype(self.unsharded_param)  # autograd accumulates in it
-        if self.unsharded_param.requires_grad:
-            # on the param's grad accumulator, not the param: a hook of the engine's own, which the user's
-            # hooks on the registered params never count; held here, so autograd reuses this node for every
-            # graph the param enters
-            with torch.enable_grad():
-                self._grad_accumulator = self.unsharded_param.view_as(self.unsharded_param).grad_fn.next_functions[0][0]
-            self._grad_accumulator.register_hook(self._grad_accumulated)
-        if self.user_grad_hooks and self.unsharded_param.requires_grad:
-            self.unsharded_param.register_hook(user_grad_hooks(self.user_grad_hooks))
+        self._grad_accumulator = None
+        self._hook_unsharded()
         # The plain tensor this engine fills and frees (shares storage with the param).
         self.unsharded_local = self._tp_local(self.unsharded_param)
+
+    def _hook_unsharded(self) -> None:
+        """Once the unsharded param needs grad: the user's ``grad_dtype`` and ``register_hook`` hooks on it,
+        and the engine's hook telling that a grad arrived, on the param's grad accumulator, not the param
+        (the user's hooks on the registered params never count it; held here, so autograd reuses the node for
+        every graph the param enters)."""
+        param = self.unsharded_param
+        if not param.requires_grad or self._grad_accumulator is not None:
+            return
+        self._keep_grad_dtype(param)  # autograd accumulates in it
+        with torch.enable_grad():
+            self._grad_accumulator = param.view_as(param).grad_fn.next_functions[0][0]
+        self._grad_accumulator.register_hook(self._grad_accumulated)
+        if self.user_grad_hooks:
+            param.register_hook(user_grad_hooks(self.user_grad_hooks))
+
+    def _register(self, param: nn.Parameter) -> None:
+        """Register ``param`` in the slots, needing grad as the one it replaces does: a user may freeze or
+        unfreeze the registered params at any time (all of them through the first forward, say), sharded,
+        gathered or kept after forward, and that holds for the next ones."""
+        previous = self.registered
+        if previous is not None and previous is not param and param.requires_grad != previous.requires_grad:
+            param.requires_grad_(previous.requires_grad)
+        register_in_slots(self.slots, param)
+        self.registered = param
 
     def _grad_accumulated(self, *_: object) -> None:
         if self.on_grad is not None:
@@ -366,8 +382,8 @@ class HSDPParam(GradientSide):
             param.grad_dtype = self.user_grad_dtype
 
     def use_unsharded(self) -> None:
-        register_in_slots(self.slots, self.unsharded_param)
-        self.registered = self.unsharded_param
+        self._register(self.unsharded_param)
+        self._hook_unsharded()
 
     def alloc_unsharded(self) -> None:
         if not self.aliases_shard:
