@@ -47,8 +47,8 @@ class Patterns:
         """``freeze_through_lazy_init``: the first forward (with grad enabled) with every param frozen,
         its loss as promised, then the params trainable again as they were drawn (frozen leaves stay
         frozen); the ledger holds what it left gathered."""
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        for param in trainable:
+        trainable = [path for path, p in self.model.named_parameters() if p.requires_grad]
+        for param in self.model.parameters():
             param.requires_grad_(False)
         args, kwargs = batch(self.config, 0, 0, self.ctx.rank)
         out = self.model(*args, **kwargs)
@@ -58,8 +58,9 @@ class Patterns:
         label = "the first forward, every param frozen: loss"
         self.ctx.close(label, loss.detach().double(), ref_loss.double(), self.tol.loss)
         self.gathers.after_forward(self._resharded_after_forward(), self._rows_gather)
-        for param in trainable:
-            param.requires_grad_(True)
+        registered = dict(self.model.named_parameters())  # what the user reaches now (a gathered group's too)
+        for path in trainable:
+            registered[path].requires_grad_(True)
 
     def _late_units(self) -> list[Unit]:
         """The units of the late head's own call (none where it is in the root's)."""
