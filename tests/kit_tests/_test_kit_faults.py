@@ -73,6 +73,49 @@ def grad_divergence(ctx: CaseContext) -> None:
     _mlp_against_ddp(ctx, plant)
 
 
+class _RaisesInBackward(torch.autograd.Function):
+    """Identity in forward; its backward raises, as an implementation's backward would."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("deliberate crash in layers.1's backward")
+
+
+@case("KIT-CRASH-FORWARD", "kit_forward_crash", world_size=2, mesh={"dp": 2}, config="FSDP 1D fp32", timeout=60)
+def forward_crash(ctx: CaseContext) -> None:
+    """L0-01's training, layers.1's forward raising at step 1 on both ranks (a pre-hook, as an
+    implementation's own would): the diagnosis must name step 1, forward, layers.1, ranks 0,1."""
+
+    def plant(model: torch.nn.Module, step: int | None) -> None:
+        def raise_at_step_1(module: torch.nn.Module, args: object) -> None:
+            if step_seen[0] == 1:
+                raise RuntimeError("deliberate crash entering layers.1")
+
+        if step is None:
+            model.layers[1].register_forward_pre_hook(raise_at_step_1)
+        else:
+            step_seen[0] = step + 1
+
+    step_seen = [0]
+    _mlp_against_ddp(ctx, plant)
+
+
+@case("KIT-CRASH-BACKWARD", "kit_backward_crash", world_size=2, mesh={"dp": 2}, config="FSDP 1D fp32", timeout=60)
+def backward_crash(ctx: CaseContext) -> None:
+    """L0-01's training, layers.1's backward raising at step 0 on both ranks (its input's grad node,
+    which runs after its output grad): the diagnosis must name step 0, backward, layers.1."""
+
+    def plant(model: torch.nn.Module, step: int | None) -> None:
+        if step is None:
+            model.layers[1].register_forward_pre_hook(lambda module, args: (_RaisesInBackward.apply(args[0]),))
+
+    _mlp_against_ddp(ctx, plant)
+
+
 def _stuck_in_a_collective() -> None:
     if dist.get_rank() == 0:
         dist.all_reduce(torch.ones(1))  # rank 1 never joins

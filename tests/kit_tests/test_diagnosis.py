@@ -179,6 +179,25 @@ def test_a_planted_bug_is_named_where_it_acts(cluster, case_id, phase, module, t
     assert first["ranks"] == ranks
 
 
+@pytest.mark.parametrize(
+    ("case_id", "step", "phase", "module"),
+    [("KIT-CRASH-FORWARD", "step 1", "forward", "layers.1"), ("KIT-CRASH-BACKWARD", "step 0", "backward", "layers.1")],
+)
+def test_a_planted_crash_is_named_where_it_raised(cluster, case_id, step, phase, module) -> None:
+    """A traced run that raises names step, phase, module and ranks, the error, and that what ran before
+    agrees; the verdict (an ERROR) and its report lead with it; the JSON holds it beside first_divergence."""
+    diagnosis = diagnose(cluster, case_id)
+    crash = diagnosis.crash
+    assert crash is not None and diagnosis.exit_status == DIVERGES, diagnosis.line()
+    assert (crash["step"], crash["phase"], crash["module"], crash["ranks"]) == (step, phase, module, [0, 1])
+    assert crash["error"].startswith("RuntimeError: deliberate crash")
+    assert diagnosis.line().endswith("everything before this agrees"), diagnosis.line()
+    assert diagnosis.to_json()["crash"] == crash and diagnosis.first_divergence() is None
+    verdict = judge_case(cluster, case_id)
+    assert verdict.status == "ERROR" and verdict.diagnosis is not None
+    assert f"diagnosis: {case_id}: raised at {step}, {phase}, {module}" in verdict.report(), verdict.report()
+
+
 def test_an_honest_run_has_no_divergence_and_a_failing_verdict_leads_with_its_diagnosis(cluster) -> None:
     honest = diagnose(cluster, "L0-01")
     assert honest.status == "PASS" and honest.exit_status == AGREES, honest.line()
@@ -212,3 +231,37 @@ def test_on_fresh_engines_the_noise_run_is_handed_the_trace_run(cluster, monkeyp
     assert len(renewed) == 2 and first is not None
     assert (first["phase"], first["module"], first["tensor"]) == ("reduction", "layers.0", "weight.grad")
     assert first == warm  # the same noise measured: the thresholds too
+
+
+def test_a_crash_under_a_reduction_collective_is_the_reduction_phase_and_ranks_merge_by_site() -> None:
+    """Without a cluster: the site the tracer kept, turned into a record (a raise under c10d's
+    reduce-scatter is the reduction, wherever backward was); records of several ranks merge by site."""
+    from tests.kit.judging.crash import Site, as_traced_crash, crash_record, merged, records_of
+
+    def reduce_scatter_tensor() -> None:  # the name c10d's frame has
+        raise RuntimeError("connection reset\nmore")
+
+    site = Site()
+    site.at("forward")
+    site.enter("layers")
+    site.enter("layers.1")
+    site.leave("layers.1")
+    assert site.where() == ("forward", "layers", "output")
+    site.backward_reached("layers.0")
+    try:
+        reduce_scatter_tensor()
+    except RuntimeError as error:
+        record = crash_record("step 2", site, error)
+        wire = as_traced_crash(record, error)
+    assert record == {
+        "step": "step 2",
+        "phase": "reduction",
+        "module": "layers.0",
+        "tensor": "grads",
+        "error": "RuntimeError: connection reset",
+    }
+    other = {**record, "module": "layers.1"}
+    found = records_of({0: ("TracedCrash", str(wire).splitlines()[0]), 1: ("TracedCrash", str(wire).splitlines()[0])})
+    assert merged(found)["ranks"] == [0, 1]
+    assert merged({0: record, 1: other})["ranks"] == [0]
+    assert records_of({0: ("RuntimeError", "not ours")}) == {}

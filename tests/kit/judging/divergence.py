@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tests.kit.judging.case import Check, case_by_id, run_on_rank
+from tests.kit.judging.crash import as_traced_crash, crash_record, merged, records_of
 from tests.kit.judging.tolerances import DIAGNOSIS
 from tests.kit.judging.trace import PHASES, Tracer, tracing
 from tests.kit.runtime.cluster import RankCluster, RankFailure
@@ -69,7 +70,12 @@ def traced_on_rank(
     tracer = Tracer(mode, found if mode == "noise" else None, seed)
     try:
         with tracing(tracer):
-            result = run()
+            try:
+                result = run()
+            except Exception as error:  # where it raised travels with it (``tests.kit.judging.crash``)
+                record = crash_record(tracer.step_label, tracer.site, error)
+                record["diverged_before"] = _diverged_so_far(tracer)
+                raise as_traced_crash(record, error) from error
     finally:
         keep(case_trace=found if mode == "noise" else tracer)
     answer = {"result": result, "rows": tracer.rows()}
@@ -79,6 +85,20 @@ def traced_on_rank(
         if earlier is not None:  # the noise run will be on fresh engines
             answer["state"] = tracer.state()
     return answer
+
+
+def _diverged_so_far(tracer: Tracer) -> str | None:
+    """The first tensor this rank traced before a crash that left the baseline by more than the
+    threshold floor (k roundings: a crash leaves no noise run to measure the noise), or None."""
+    try:
+        rows = tracer.rows()
+    except Exception:  # noqa: BLE001 - a trace cut short mid-tensor: nothing to say of what came before
+        return None
+    for row in rows:
+        error = row["error"]
+        if error is not None and (not math.isfinite(error) or error > threshold(None, row.get("dtype", ""))):
+            return f"{row['step']} {row['phase']} {row['module'] or '(root)'} {row['tensor']}"
+    return None
 
 
 @dataclass
@@ -123,6 +143,7 @@ class Diagnosis:
     seconds: float = 0.0
     first_failing_check: str = ""
     compared_failing: bool = False  # a failing plan check compares a value with the baseline's ("close")
+    crash: dict[str, Any] | None = None  # where the traced run raised (``tests.kit.judging.crash.merged``)
 
     @property
     def first(self) -> Tensor | None:
@@ -133,7 +154,7 @@ class Diagnosis:
     def exit_status(self) -> int:
         if self.reason:
             return NOT_RUN
-        return DIVERGES if self.first is not None else AGREES
+        return DIVERGES if self.first is not None or self.crash is not None else AGREES
 
     def first_divergence(self) -> dict[str, Any] | None:
         """The first divergence as the JSON holds it."""
@@ -156,6 +177,8 @@ class Diagnosis:
         """One line: the first divergence and that everything before it agrees, or no divergence."""
         if self.reason:
             return f"{self.case}: not diagnosed: {self.reason}"
+        if self.crash is not None:
+            return self._crash_line()
         first = self.first_divergence()
         if first is None:
             compared = sum(1 for t in self.tensors if any(e is not None for e in t.errors.values()))
@@ -170,6 +193,16 @@ class Diagnosis:
             f"{first['module'] or '(root)'} {first['tensor']}, rank{'s' if len(first['ranks']) > 1 else ''} {ranks}: "
             f"relative error {error} > threshold {first['threshold']:.2e}; everything before this agrees"
         )
+
+    def _crash_line(self) -> str:
+        crash = self.crash
+        ranks = ",".join(map(str, crash["ranks"]))
+        before = crash.get("diverged_before")
+        agrees = f"a divergence first, at {before}" if before else "everything before this agrees"
+        return (
+            f"{self.case}: raised at {crash['step']}, {crash['phase']}, {crash['module'] or '(root)'} "
+            f"{crash['tensor']} (rank{'s' if len(crash['ranks']) > 1 else ''} {ranks}): {crash['error']}; {agrees}"
+        ).replace("  ", " ")
 
     def to_json(self) -> dict[str, Any]:
         modules = [
@@ -188,6 +221,7 @@ class Diagnosis:
             "implementation": self.implementation,
             "status": self.status,
             "first_divergence": self.first_divergence(),
+            "crash": self.crash,
             "line": self.line(),
             "reason": self.reason or None,
             "seconds": round(self.seconds, 2),
@@ -309,7 +343,9 @@ def diagnose_runs(
             noise = run("noise")
             diagnosis.tensors = merge([r["rows"] for r in traced], [r["rows"] for r in noise])
     except RankFailure as failure:
-        diagnosis.reason = f"a run failed: {str(failure).splitlines()[0][:300]}"
+        diagnosis.crash = merged(records_of(failure.raised))
+        if diagnosis.crash is None:  # nothing traced raised: a hang, a rank that died, set-up
+            diagnosis.reason = f"a run failed: {str(failure).splitlines()[0][:300]}"
         diagnosis.status = diagnosis.status or "ERROR"
     diagnosis.seconds = time.monotonic() - started
     return diagnosis

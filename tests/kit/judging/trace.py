@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tests.kit.judging.crash import Site
 from tests.kit.judging.reference import SameDtypeReference, full
 from tests.kit.judging.tolerances import DIAGNOSIS
 
@@ -41,6 +42,12 @@ _ACTIVE: Tracer | None = None
 def active() -> Tracer | None:
     """The tracer of this rank's current run, or None (the training loops then attach nothing)."""
     return _ACTIVE
+
+
+def mark(phase: str) -> None:
+    """The training loop starts ``phase`` (or a call between phases): where a crash would be, if one came."""
+    if _ACTIVE is not None:
+        _ACTIVE.site.at(phase)
 
 
 @contextlib.contextmanager
@@ -169,6 +176,11 @@ class _Side:
         self.handles = [m.register_forward_hook(self._forward_hook(path)) for path, m in modules]
         if role == "model":  # the baseline's rounding is never asked: a tensor's is the model's
             self.handles += [m.register_forward_pre_hook(self._pre_hook) for _, m in modules]
+            # where a crash would be: first of the module's hooks (an implementation's own may raise)
+            site = tracer.site
+            for path, m in modules:
+                self.handles.append(m.register_forward_pre_hook(lambda *_, path=path: site.enter(path), prepend=True))
+                self.handles.append(m.register_forward_hook(self._site_hook(path), prepend=True))
 
     def begin(self) -> None:
         self.in_backward = False
@@ -206,6 +218,18 @@ class _Side:
 
         return hook
 
+    def _site_hook(self, path: str) -> Any:
+        """Leaving ``path``'s forward; its output's grad, once backward reaches it, marks its backward."""
+        site = self.tracer.site
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            site.leave(path)
+            tensor = first_tensor(output)
+            if tensor is not None and tensor.requires_grad and not self.in_backward:
+                tensor.register_hook(lambda grad: site.backward_reached(path))
+
+        return hook
+
     def _grad_hook(self, key: Key) -> Any:
         def hook(grad: torch.Tensor) -> torch.Tensor | None:
             self.in_backward = True
@@ -236,6 +260,7 @@ class Tracer:
     missing: set[Key] = field(default_factory=set)  # grads the baseline has and the model lacks
     step_label: str | None = None  # None: paused
     rounding: torch.dtype | None = None  # the baseline's own word on what departs (``rounding_dtype``)
+    site: Site = field(default_factory=Site)  # where the run is: a crash's place (``tests.kit.judging.crash``)
     _sides: list[_Side] = field(default_factory=list, repr=False)
     _generator: torch.Generator | None = field(default=None, repr=False)
 
@@ -266,6 +291,7 @@ class Tracer:
         """A new step (or micro-batch) starts: forward call counts restart; None pauses the trace
         (steps the baseline does not take alike)."""
         self.step_label = label
+        self.site.at("forward")
         for side in self._sides:
             side.begin()
 

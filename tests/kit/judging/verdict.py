@@ -263,8 +263,8 @@ def judge_case(
 
 
 def _diagnosed(cluster: RankCluster, verdict: Verdict, timeout: float | None) -> Verdict:
-    """The verdict with its diagnosis, where it failed its checks (not a leak: alone it passes)."""
-    if verdict.status == "FAIL" and not verdict.leak and wanted():
+    """The verdict with its diagnosis, where it failed its checks or raised (not a leak: alone it passes)."""
+    if verdict.status in ("FAIL", "ERROR") and not verdict.leak and wanted():
         diagnosis = diagnose(cluster, verdict.case.id, timeout)
         if diagnosis.exit_status != NOT_RUN:  # a case with nothing traced keeps its plain verdict
             verdict.diagnosis = diagnosis

@@ -23,7 +23,7 @@ from tests.kit.judging.recorder import CollectiveRecorder, record_collectives
 from tests.kit.judging.reference import SameDtypeReference, full, gather_from, named_params
 from tests.kit.judging.surface import impl
 from tests.kit.judging.tolerances import Tolerance
-from tests.kit.judging.trace import Tracer, Untraced, traced
+from tests.kit.judging.trace import Tracer, Untraced, mark, traced
 from tests.kit.workloads.models import DIMS, rank_batches
 
 
@@ -215,6 +215,7 @@ def _forward_backward(loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[
 
     def step(model: Any, batch: Any) -> torch.Tensor:
         loss = loss_fn(model, batch)
+        mark("backward")
         loss.backward()
         return loss
 
@@ -257,10 +258,12 @@ def _check_grads_and_step(
     if global_norms is not None:
         ctx.close(f"{prefix} global grad norm", *global_norms(), tol.grad)
     label = "grad norm of this rank's part" if part else "grad norm"
+    mark("reduction")  # the grads as the implementation reduced them, read
     ctx.close(f"{prefix} {label}", grad_norm(model), grad_norm(reference), tol.grad)
     record_grads(ctx, prefix, model, reference, tol.grad)
     tracer = tracer or Untraced()
     tracer.grads(named_params(model), named_params(reference))
+    mark("optimizer")
     step_optimizers(opts)
     tracer.params(named_params(model), named_params(reference))
     if params:

@@ -1,0 +1,111 @@
+"""Where a traced run raised: step, phase, module and tensor, from what the tracer saw and the exception.
+
+A ``Tracer`` (``tests.kit.judging.trace``) keeps a ``Site``: the step it is in, the phase the kit's
+training loop marked (forward, backward, reduction, optimizer, or a call between them: ``zero_grad``,
+``state_dict``, a setter), the innermost module of the model under test whose forward was entered and
+not left, and in backward the module whose output grad backward reached last (its backward is what runs
+next). When the run raises, ``crash_record`` turns that and the exception into one record; a raise under a
+reduction collective (``reduce_scatter``, ``all_reduce``: every implementation's reductions go through
+c10d) is the reduction phase whatever the loop had marked, as the end of backward lands reductions inside
+``backward()``.
+
+Through the cluster the record travels as the first line of a ``TracedCrash``'s message, so that every
+raising rank's record reaches the driver (``RankFailure.raised``) however the other ranks end.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+PREFIX = "HPKIT-CRASH "
+# c10d functions whose frames on the raising stack mean a gradient reduction was under way
+_REDUCTIONS = ("reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "all_reduce", "reduce_scatter_single")
+
+
+class TracedCrash(RuntimeError):
+    """A traced run raised: its first line is the crash record (JSON), the rest the original error."""
+
+
+@dataclass
+class Site:
+    """Where the rank's run is now, as far as the tracer can tell."""
+
+    phase: str = "set-up"
+    module: str = ""
+    tensor: str = ""
+    entered: list[str] = field(default_factory=list)  # forward: modules entered and not left, outermost first
+
+    def at(self, phase: str) -> None:
+        """The training loop starts a phase (or a call between phases)."""
+        self.phase, self.module, self.tensor = phase, "", ""
+        self.entered.clear()
+
+    def enter(self, path: str) -> None:
+        if self.phase != "backward":
+            self.entered.append(path)
+
+    def leave(self, path: str) -> None:
+        if self.entered and self.entered[-1] == path:
+            self.entered.pop()
+
+    def backward_reached(self, path: str) -> None:
+        """Backward reached ``path``'s output grad: its backward runs next."""
+        self.phase, self.module, self.tensor = "backward", path, "output grad"
+
+    def where(self) -> tuple[str, str, str]:
+        """(phase, module, tensor) now."""
+        if self.phase == "forward" and self.entered:
+            return "forward", self.entered[-1], "output"
+        return self.phase, self.module, self.tensor
+
+
+def crash_record(step: str | None, site: Site, error: BaseException) -> dict[str, Any]:
+    """One rank's crash: where (``site``, the reduction phase where a reduction collective raised) and
+    the exception's type and first line."""
+    phase, module, tensor = site.where()
+    frames = {frame.name for frame in traceback.extract_tb(error.__traceback__)}
+    if phase in ("backward", "reduction") and frames & set(_REDUCTIONS):
+        phase, tensor = "reduction", "grads"
+    first_line = (str(error).strip().splitlines() or [""])[0][:300]
+    return {
+        "step": step or "before step 0",
+        "phase": phase,
+        "module": module,
+        "tensor": tensor,
+        "error": f"{type(error).__name__}: {first_line}".rstrip(": "),
+    }
+
+
+def as_traced_crash(record: dict[str, Any], error: BaseException) -> TracedCrash:
+    return TracedCrash(PREFIX + json.dumps(record) + "\n" + f"{type(error).__name__}: {error}")
+
+
+def records_of(raised: dict[int, tuple[str, str]]) -> dict[int, dict[str, Any]]:
+    """Each raising rank's crash record, from ``RankFailure.raised`` (rank -> (type, first line))."""
+    found = {}
+    for rank, (_, line) in raised.items():
+        start = line.find(PREFIX)
+        if start >= 0:
+            try:
+                found[rank] = json.loads(line[start + len(PREFIX) :])
+            except ValueError:
+                continue
+    return found
+
+
+def merged(records: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    """The crash as the diagnosis reports it: the first raising rank's site, with every rank that raised
+    at that site (the other ranks raised elsewhere, or waited for them)."""
+    if not records:
+        return None
+    first = records[min(records)]
+    site = ("step", "phase", "module", "tensor")
+    ranks = sorted(r for r, rec in records.items() if all(rec[k] == first[k] for k in site))
+    crash = {**{k: first[k] for k in site}, "ranks": ranks, "error": first["error"]}
+    crash["diverged_before"] = next(
+        (rec.get("diverged_before") for rec in records.values() if rec.get("diverged_before")), None
+    )
+    return crash
