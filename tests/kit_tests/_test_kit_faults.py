@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from tests.kit.judging.case import CaseContext, case
 from tests.kit.judging.reference import ddp_of
-from tests.kit.workloads.models import MLP, rank_batch
+from tests.kit.workloads.models import MLP, TiedEmbeddingNet, rank_batch, rank_tokens
 from tests.kit.workloads.training import shard_nested, train_against
 
 
@@ -114,6 +114,19 @@ def backward_crash(ctx: CaseContext) -> None:
             model.layers[1].register_forward_pre_hook(lambda module, args: (_RaisesInBackward.apply(args[0]),))
 
     _mlp_against_ddp(ctx, plant)
+
+
+@case("KIT-UNTIED", "kit_untied_weight", world_size=2, mesh={"dp": 2}, config="FSDP 1D fp32", timeout=60)
+def untied(ctx: CaseContext) -> None:
+    """A tied embedding whose tie the model under test lost (its output weight a copy of its own), its
+    baseline still tied: the diagnosis must name the structure, 'out.weight' on the model's side alone."""
+    model = TiedEmbeddingNet()
+    ddp = ddp_of(model)
+    model.out.weight = torch.nn.Parameter(model.embed.weight.detach().clone())
+    shard_nested(model, [model.mid])
+    batches = [rank_tokens(step, ctx.rank, (3, 5), vocab=11) for step in range(2)]
+    loss = torch.nn.functional.cross_entropy
+    train_against(ctx, model, ddp, batches, lambda m, t: loss(m(t).flatten(0, 1), t.flatten()), ctx.tol)
 
 
 def _stuck_in_a_collective() -> None:

@@ -198,6 +198,16 @@ def test_a_planted_crash_is_named_where_it_raised(cluster, case_id, step, phase,
     assert f"diagnosis: {case_id}: raised at {step}, {phase}, {module}" in verdict.report(), verdict.report()
 
 
+def test_a_difference_of_structure_is_the_first_divergence_never_a_key_error(cluster) -> None:
+    diagnosis = diagnose(cluster, "KIT-UNTIED")
+    crash = diagnosis.crash
+    assert crash is not None and crash["phase"] == "structure" and diagnosis.exit_status == DIVERGES, diagnosis.line()
+    assert crash["error"] == "model only ['out.weight'], reference only []" and crash["ranks"] == [0, 1]
+    assert diagnosis.line().startswith("KIT-UNTIED: first divergence at before step 0, structure: model only"), (
+        diagnosis.line()
+    )
+
+
 def test_an_honest_run_has_no_divergence_and_a_failing_verdict_leads_with_its_diagnosis(cluster) -> None:
     honest = diagnose(cluster, "L0-01")
     assert honest.status == "PASS" and honest.exit_status == AGREES, honest.line()

@@ -65,6 +65,39 @@ def figure(diagnosis: Diagnosis) -> Any:
     return fig
 
 
+def crash_figure(diagnosis: Diagnosis) -> Any:
+    """Where a traced run raised: the phases of its step left to right, one row per rank, a red cross
+    on each rank that raised, at its phase, labelled with the module and the error."""
+    import matplotlib.pyplot as plt
+
+    crash = diagnosis.crash
+    phases = ["set-up", *PHASES]
+    column = phases.index(crash["phase"]) if crash["phase"] in phases else 0
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.5 * max(2, len(crash["ranks"]))))
+    for rank in crash["ranks"]:
+        ax.plot(range(column + 1), [rank] * (column + 1), color="#4a7", linewidth=3)  # what ran
+        ax.scatter([column], [rank], marker="x", s=160, color="red", linewidths=3, zorder=5)
+    ax.annotate(
+        f"{crash['module'] or '(root)'} {crash['tensor']}: {crash['error'][:70]}",
+        (column, crash["ranks"][0]),
+        textcoords="offset points",
+        xytext=(8, 8),
+        color="red",
+        fontsize=8,
+    )
+    ax.set_xticks(range(len(phases)))
+    ax.set_xticklabels(phases)
+    ax.set_yticks(crash["ranks"])
+    ax.set_yticklabels([f"rank {r}" for r in crash["ranks"]])
+    ax.set_xlim(-0.5, len(phases) - 0.5)
+    ax.set_ylim(min(crash["ranks"]) - 0.7, max(crash["ranks"]) + 0.7)
+    ax.set_title(
+        f"{diagnosis.case} on {diagnosis.implementation or 'ours'}: raised at {crash['step']}, {crash['phase']}"
+    )
+    fig.tight_layout()
+    return fig
+
+
 def _drawn(ratio: float | None) -> float:
     if ratio is None:
         return math.nan
@@ -104,8 +137,8 @@ def show(diagnosis: Diagnosis) -> Diagnosis:
     from IPython.display import HTML, display
 
     display(HTML(html_line(diagnosis)))
-    if diagnosis.tensors:
-        display(figure(diagnosis))
+    if diagnosis.tensors or diagnosis.crash is not None:
+        display(crash_figure(diagnosis) if diagnosis.crash is not None else figure(diagnosis))
         import matplotlib.pyplot as plt
 
         plt.close("all")
@@ -157,9 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         print("diverging tensors, in execution order:\n" + table)
     if args.json:
         diagnosis.write_json(args.json)
-    if args.figure and diagnosis.tensors:
-        figure(diagnosis).savefig(args.figure, dpi=110)
+    if args.figure and (diagnosis.tensors or diagnosis.crash is not None):
+        drawn = crash_figure(diagnosis) if diagnosis.crash is not None else figure(diagnosis)
+        drawn.savefig(args.figure, dpi=110)
     return diagnosis.exit_status
 
 
-__all__ = ["PHASES", "figure", "html_line", "main", "notebook_diagnose", "show"]
+__all__ = ["PHASES", "crash_figure", "figure", "html_line", "main", "notebook_diagnose", "show"]

@@ -29,6 +29,24 @@ class TracedCrash(RuntimeError):
     """A traced run raised: its first line is the crash record (JSON), the rest the original error."""
 
 
+class StructureDiffers(KeyError):
+    """The model under test and its baseline do not have the same params (a tied param come untied, a
+    param registered again under another name, a module one side lacks): the diagnosis's first
+    divergence, phase ``structure``, before any tensor is compared."""
+
+    def __init__(self, model_only: list[str], reference_only: list[str]) -> None:
+        self.model_only, self.reference_only = list(model_only), list(reference_only)
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        return (
+            f"the reference has no params named {self.model_only}; params of the reference alone: {self.reference_only}"
+        )
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
 @dataclass
 class Site:
     """Where the rank's run is now, as far as the tracer can tell."""
@@ -65,6 +83,14 @@ class Site:
 def crash_record(step: str | None, site: Site, error: BaseException) -> dict[str, Any]:
     """One rank's crash: where (``site``, the reduction phase where a reduction collective raised) and
     the exception's type and first line."""
+    if isinstance(error, StructureDiffers):
+        return {
+            "step": step or "before step 0",
+            "phase": "structure",
+            "module": "",
+            "tensor": "params",
+            "error": f"model only {error.model_only}, reference only {error.reference_only}",
+        }
     phase, module, tensor = site.where()
     frames = {frame.name for frame in traceback.extract_tb(error.__traceback__)}
     if phase in ("backward", "reduction") and frames & set(_REDUCTIONS):

@@ -197,6 +197,8 @@ class Diagnosis:
     def _crash_line(self) -> str:
         crash = self.crash
         ranks = ",".join(map(str, crash["ranks"]))
+        if crash["phase"] == "structure":
+            return f"{self.case}: first divergence at {crash['step']}, structure: {crash['error']} (ranks {ranks})"
         before = crash.get("diverged_before")
         agrees = f"a divergence first, at {before}" if before else "everything before this agrees"
         return (

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.kit.judging.checks import CaseContext
+from tests.kit.judging.crash import StructureDiffers
 from tests.kit.judging.layout import local_numels
 from tests.kit.judging.recorder import CollectiveRecorder, record_collectives
 from tests.kit.judging.reference import SameDtypeReference, full, gather_from, named_params
@@ -206,7 +207,7 @@ def _reference_params(reference: Any, compared: Mapping[str, nn.Parameter]) -> d
     every = named_params(reference)
     missing = [name for name in compared if name not in every]
     if missing:
-        raise KeyError(f"the reference has no params named {missing}")
+        raise StructureDiffers(missing, sorted(set(every) - set(compared)))
     return {name: every[name] for name in compared}
 
 
