@@ -203,6 +203,7 @@ def test_a_difference_of_structure_is_the_first_divergence_never_a_key_error(clu
     crash = diagnosis.crash
     assert crash is not None and crash["phase"] == "structure" and diagnosis.exit_status == DIVERGES, diagnosis.line()
     assert crash["error"] == "model only ['out.weight'], reference only []" and crash["ranks"] == [0, 1]
+    assert (crash["module"], crash["tensor"]) == ("out", "weight")
     assert diagnosis.line().startswith("KIT-UNTIED: first divergence at before step 0, structure: model only"), (
         diagnosis.line()
     )

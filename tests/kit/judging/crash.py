@@ -84,11 +84,12 @@ def crash_record(step: str | None, site: Site, error: BaseException) -> dict[str
     """One rank's crash: where (``site``, the reduction phase where a reduction collective raised) and
     the exception's type and first line."""
     if isinstance(error, StructureDiffers):
+        module, _, leaf = (error.model_only + error.reference_only + [""])[0].rpartition(".")
         return {
             "step": step or "before step 0",
             "phase": "structure",
-            "module": "",
-            "tensor": "params",
+            "module": module,
+            "tensor": leaf,
             "error": f"model only {error.model_only}, reference only {error.reference_only}",
         }
     phase, module, tensor = site.where()
