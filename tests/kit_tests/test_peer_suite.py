@@ -16,7 +16,7 @@ from tools.peer_suite.report import summary, verdict_rows
 from tools.peer_suite.run import run_file
 from tools.peer_suite.swap import replacements
 
-PEER_TEST = """
+PEER_TEST = '''
 import time
 import torch.distributed.fsdp as fsdp
 
@@ -33,7 +33,7 @@ class TestPeer:
 
     def test_reads_internals(self):
         fsdp.fully_shard.state(None)
-"""
+'''
 
 
 @pytest.mark.slow
@@ -64,7 +64,7 @@ def _record(nodeid: str, error: str, longrepr: str = "", outcome: str = "failed"
 
 
 def test_failures_are_sorted_private_message_behaviour(tmp_path):
-    source = textwrap.dedent("""
+    source = textwrap.dedent('''
         class TestX:
             def test_state(self):
                 fully_shard.state(model)
@@ -72,13 +72,13 @@ def test_failures_are_sorted_private_message_behaviour(tmp_path):
                 pass
             def test_numbers(self):
                 pass
-    """)
+    ''')
     test_file = tmp_path / "test_x.py"
     test_file.write_text(source)
     state = _record("test_x.py::TestX::test_state", "AttributeError: 'function' object has no attribute 'state'")
     regex = _record("test_x.py::TestX::test_regex", 'AssertionError: "FSDP does not" does not match "ours"')
     numbers = _record("test_x.py::TestX::test_numbers", "AssertionError: Tensor-likes are not close!")
-    inside = _record("test_x.py::TestX::test_state", "TypeError: boom", 'File "/x/hyper_parallel/api.py", line 1')
+    inside = _record("test_x.py::TestX::test_state", "TypeError: boom", "File \"/x/hyper_parallel/api.py\", line 1")
     assert classify(str(test_file), state, ("hyper_parallel/",)).kind == "private"
     assert classify(str(test_file), regex).kind == "message"
     assert classify(str(test_file), numbers).kind == "behaviour"
