@@ -139,6 +139,24 @@ KNOWN_DEFECTS = {
     "issue: waited after the step, or never waited (the next forward meets it in flight), the module computes "
     "with the params before the step (no guard; L1-01's extra check; replays 2649083d4e, waited, and "
     "8936449209, in flight)",
+    # usage patterns of its users (L4's tests/kit/explore/patterns.py), each found by L4's draws on 2 ranks
+    frozenset({"freeze_through_lazy_init"}): "every param frozen through the first forward (its lazy init), "
+    "then unfrozen: under a bf16/fp32 policy backward raises 'attempting to assign a gradient with dtype "
+    "BFloat16 to a tensor with grad_dtype Float' (pytorch#186998; replay 0e3f6123b7); in fp32, unfrozen where "
+    "the model registers them with the root left gathered, its sharded params stay frozen and the next forward "
+    "builds no graph (replay ccaca52f2b)",
+    frozenset({"first_grad_on_synced_microbatch", "gradient_sync", "mixed_precision"}): "a param whose first grad "
+    "comes on the synced micro-batch after no-sync ones, reduce dtype other than the param dtype: 'FSDP "
+    "reduce-scatter expects uniform gradient dtype' (pytorch#160279; replay 43581d53a7)",
+    frozenset({"unit_skips_nosync_microbatches", "gradient_sync", "mixed_precision"}): "a call that runs no "
+    "forward on a no-sync micro-batch under mixed precision: its post-backward reads a param never unsharded, "
+    "\"'FSDPParam' object has no attribute '_unsharded_param'\" (pytorch#194058; replay 30e947c334)",
+    frozenset({"inplace_on_output_view"}): "a sharded module's output view modified in place above it: the "
+    "pre-backward hook on that output never runs, backward reads the freed unsharded weight ('setStorage: "
+    "... storage of size 0'; replay 5f8ad6e19c)",
+    frozenset({"stored_intermediate_loss"}): "a module stores a term of its input and weight after its output "
+    "and the loss adds it: resharded after forward, backward reaches the freed unsharded weight through that "
+    "term before the module's pre-backward hook ('setStorage: ... storage of size 0'; replay 0c4ada958a)",
 }
 
 
