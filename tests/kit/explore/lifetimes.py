@@ -113,6 +113,8 @@ class _SeeCreated(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # a tensor subclass runs its own dispatch inside (unseen): what it returns is watched by its local tensors
         out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):
+            return out  # a view or alias (detach, view, ...) of a storage made elsewhere, maybe before the step
         self.watched.watch(("", _plain(t)) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
 
