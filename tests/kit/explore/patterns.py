@@ -58,6 +58,7 @@ class Patterns:
         label = "the first forward, every param frozen: loss"
         self.ctx.close(label, loss.detach().double(), ref_loss.double(), self.tol.loss)
         self.gathers.after_forward(self._resharded_after_forward(), self._rows_gather)
+        self.forward_without_backward = True  # the next backward's implicit prefetch order is ambiguous
         registered = dict(self.model.named_parameters())  # what the user reaches now (a gathered group's too)
         for path in trainable:
             registered[path].requires_grad_(True)
