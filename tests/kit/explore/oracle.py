@@ -359,7 +359,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
             for module in self.hsdp_modules[step.sync_group]:
                 module.set_requires_gradient_sync(syncs, recurse=False)
         args, kwargs = batch(self.config, step_index, micro, self.ctx.rank)
-        self._late_switch(last, fresh=True)  # the late head runs on the last micro-batch only
+        self._late_switch(last, starts=True)  # the late head runs on the last micro-batch only
         self.after_forward.clear()
         self.reached.clear()
         gathers, calls = self.gathers.forward(), self.gathers.forward_calls()
@@ -402,7 +402,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
             self.model.load_state_dict(taken)
         if step.state_dict_at == "after" and last:
             self._state_dict_round_trip(f"{where} after backward")
-        self._late_switch(True, fresh=True)  # what the leaves stored is freed with the step's graph
+        self._micro_done()  # what the leaves stored is freed with the step's graph
 
     def _forward(self, step: Any, args: tuple, kwargs: dict, where: str) -> tuple[Any, CollectiveRecorder]:
         """The model's forward (or its registered method), its collectives recorded, prefetch timing checked."""

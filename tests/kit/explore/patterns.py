@@ -67,15 +67,31 @@ class Patterns:
         """The units of the late head's own call (none where it is in the root's)."""
         return [(i, path) for i, group in enumerate(self.config.groups) for path in group.paths if path == "late"]
 
-    def _late_switch(self, on: bool, fresh: bool = False) -> None:
+    def _late_switch(self, on: bool, starts: bool = False) -> None:
         """The late head run (``on``: a step's last micro-batch) or not, in both models; where it is not,
-        its own call's state is unknown to the ledger (a prefetch may gather it, nothing else).
-        ``fresh``: a micro-batch starts, what the leaves stored in earlier forwards dropped."""
-        if fresh:
-            clear_stored(self.model)
-            clear_stored(self.reference.compute)
+        its own call's state is unknown to the ledger (a prefetch may gather it, nothing else), and
+        under prefetch lists, which name it, every call's, there and in the first forward running it
+        again (L4 found ours gathering less than the ledger said then: 82e33e4040, not yet explained).
+        ``starts``: a micro-batch starts, what the leaves stored in earlier forwards dropped."""
+        if starts:
+            self._micro_done()
         if not self.config.late:
             return
         self.model.late_on = self.reference.compute.late_on = on
+        units = self._late_units()
+        if not units:
+            return
         if not on:
-            self.gathers.forget(self._late_units())
+            self.late_skipped = True
+            self.gathers.forget(self._units() if self.config.prefetch else units)
+        elif starts and getattr(self, "late_skipped", False):
+            self.late_skipped = False
+            if self.config.prefetch:
+                self.gathers.forget(self._units())
+
+    def _micro_done(self) -> None:
+        """What the leaves stored dropped (freed with the step's graph), the late head on again."""
+        clear_stored(self.model)
+        clear_stored(self.reference.compute)
+        if self.config.late:
+            self.model.late_on = self.reference.compute.late_on = True
