@@ -40,13 +40,6 @@ def note_not_to_step(tensor: torch.Tensor, why: str) -> None:
         _hook_handle = register_optimizer_step_pre_hook(_refuse_tensors_not_trained)
 
 
-def forget(tensor: torch.Tensor) -> None:
-    """``tensor`` is the model's again (a param the user registered in its place is now trained)."""
-    entry = _NOT_TO_STEP.get(id(tensor))
-    if entry is not None and entry[0]() is tensor:
-        del _NOT_TO_STEP[id(tensor)]
-
-
 def _refuse_tensors_not_trained(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     params = [param for group in optimizer.param_groups for param in group["params"]]
     seen = (_generation, len(params))
