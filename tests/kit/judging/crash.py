@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,27 @@ class Site:
         if self.phase == "forward" and self.entered:
             return "forward", self.entered[-1], "output"
         return self.phase, self.module, self.tensor
+
+
+def site_hooks(site: Site, modules: list[tuple[str, Any]], first_tensor: Callable[[Any], Any]) -> list[Any]:
+    """Hooks keeping ``site`` on the model's modules (path, module), first of each module's own (an
+    implementation's hooks may raise): entering and leaving forward, and, once backward reaches a
+    module's output grad (its ``first_tensor``, as the trace records it), its backward."""
+
+    def leave(path: str) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            site.leave(path)
+            tensor = first_tensor(output)
+            if tensor is not None and tensor.requires_grad and site.phase != "backward":
+                tensor.register_hook(lambda grad: site.backward_reached(path))
+
+        return hook
+
+    handles = []
+    for path, module in modules:
+        handles.append(module.register_forward_pre_hook(lambda *_, path=path: site.enter(path), prepend=True))
+        handles.append(module.register_forward_hook(leave(path), prepend=True))
+    return handles
 
 
 def crash_record(step: str | None, site: Site, error: BaseException) -> dict[str, Any]:

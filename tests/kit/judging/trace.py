@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.kit.judging.crash import Site
+from tests.kit.judging.crash import Site, site_hooks
 from tests.kit.judging.reference import SameDtypeReference, full
 from tests.kit.judging.tolerances import DIAGNOSIS
 
@@ -176,11 +176,7 @@ class _Side:
         self.handles = [m.register_forward_hook(self._forward_hook(path)) for path, m in modules]
         if role == "model":  # the baseline's rounding is never asked: a tensor's is the model's
             self.handles += [m.register_forward_pre_hook(self._pre_hook) for _, m in modules]
-            # where a crash would be: first of the module's hooks (an implementation's own may raise)
-            site = tracer.site
-            for path, m in modules:
-                self.handles.append(m.register_forward_pre_hook(lambda *_, path=path: site.enter(path), prepend=True))
-                self.handles.append(m.register_forward_hook(self._site_hook(path), prepend=True))
+            self.handles += site_hooks(tracer.site, modules, first_tensor)  # where a crash would be
 
     def begin(self) -> None:
         self.in_backward = False
@@ -215,18 +211,6 @@ class _Side:
                 grad_key = self.tracer.key("backward", name, "output grad")
                 (perturbed if perturbed is not None else tensor).register_hook(self._grad_hook(grad_key))
             return None if perturbed is None else _replace_first(output, perturbed)
-
-        return hook
-
-    def _site_hook(self, path: str) -> Any:
-        """Leaving ``path``'s forward; its output's grad, once backward reaches it, marks its backward."""
-        site = self.tracer.site
-
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            site.leave(path)
-            tensor = first_tensor(output)
-            if tensor is not None and tensor.requires_grad and not self.in_backward:
-                tensor.register_hook(lambda grad: site.backward_reached(path))
 
         return hook
 
