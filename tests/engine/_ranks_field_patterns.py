@@ -25,7 +25,10 @@ STEPS = 2
 # torch 2.6 and 2.7 do not let the engine read the saved-tensor hooks a user pushed, so it stacks none of
 # its own there (docs/api.md): a backward reaching resharded params by a path the outputs' hooks do not
 # see fails there as on FSDP2, with freed storage; the tests below expect that failure on those releases
-SAVED_PARAMS_GATHERED = hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
+SAVED_PARAMS_GATHERED = all(
+    hasattr(torch._C._autograd, name)
+    for name in ("_top_saved_tensors_default_hooks", "_saved_tensors_hooks_is_enabled")
+)
 
 
 def _trains_or_fails_as_documented(checks: StrictChecks, label: str, needs_gather: bool, train: Any) -> None:

@@ -25,11 +25,6 @@ def _wait(work: dist.Work | None) -> None:
         work.wait()
 
 
-def _wait(work: dist.Work | None) -> None:
-    if work is not None:
-        work.wait()
-
-
 def _all_gather_flat(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> dist.Work | None:
