@@ -129,6 +129,31 @@ def untied(ctx: CaseContext) -> None:
     train_against(ctx, model, ddp, batches, lambda m, t: loss(m(t).flatten(0, 1), t.flatten()), ctx.tol)
 
 
+class _SleepsInBackward(torch.autograd.Function):
+    """Identity in forward; its backward sleeps (a rank stuck where its peers wait for it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(3600)
+        return grad
+
+
+@case("KIT-HANG-BACKWARD", "kit_backward_hang", world_size=2, mesh={"dp": 2}, config="FSDP 1D fp32", timeout=8)
+def backward_hang(ctx: CaseContext) -> None:
+    """L0-01's training, rank 1 stuck in layers.1's backward at step 0 while rank 0 waits in a collective
+    for it: the diagnosis must name where each rank's traced run was, rank 1 in layers.1's backward."""
+
+    def plant(model: torch.nn.Module, step: int | None) -> None:
+        if step is None and ctx.rank == 1:
+            model.layers[1].register_forward_pre_hook(lambda module, args: (_SleepsInBackward.apply(args[0]),))
+
+    _mlp_against_ddp(ctx, plant)
+
+
 def _stuck_in_a_collective() -> None:
     if dist.get_rank() == 0:
         dist.all_reduce(torch.ones(1))  # rank 1 never joins

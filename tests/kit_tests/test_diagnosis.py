@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -198,15 +199,43 @@ def test_a_planted_crash_is_named_where_it_raised(cluster, case_id, step, phase,
     assert f"diagnosis: {case_id}: raised at {step}, {phase}, {module}" in verdict.report(), verdict.report()
 
 
-def test_a_difference_of_structure_is_the_first_divergence_never_a_key_error(cluster) -> None:
+def test_a_difference_of_structure_is_the_first_divergence_and_the_rest_is_traced_on_what_both_have(cluster) -> None:
+    """KIT-UNTIED's model lost its tie: the structure is named first, with both sides' names, never a
+    ``KeyError``; the trace goes on over the params both have, where the embedding's grad (the tied
+    baseline's sums both uses) is the next divergence."""
     diagnosis = diagnose(cluster, "KIT-UNTIED")
-    crash = diagnosis.crash
-    assert crash is not None and crash["phase"] == "structure" and diagnosis.exit_status == DIVERGES, diagnosis.line()
-    assert crash["error"] == "model only ['out.weight'], reference only []" and crash["ranks"] == [0, 1]
-    assert (crash["module"], crash["tensor"]) == ("out", "weight")
+    first = diagnosis.first_divergence()
+    assert first is not None and first["phase"] == "structure" and diagnosis.exit_status == DIVERGES, diagnosis.line()
+    assert (first["model_only"], first["reference_only"], first["ranks"]) == (["out.weight"], [], [0, 1])
+    assert (first["step"], first["module"], first["tensor"]) == ("before step 0", "out", "weight")
+    assert diagnosis.crash is None and diagnosis.to_json()["structure"]["model_only"] == ["out.weight"]
+    after = diagnosis.first
+    assert after is not None and (after.step, after.phase) == ("step 0", "reduction"), diagnosis.line()
+    assert (after.module, after.tensor) == ("embed", "weight.grad"), diagnosis.line()
     assert diagnosis.line().startswith("KIT-UNTIED: first divergence at before step 0, structure: model only"), (
         diagnosis.line()
     )
+    assert "then, on the params both have: first divergence at step 0, reduction, embed weight.grad" in (
+        diagnosis.line()
+    )
+
+
+def test_a_hang_names_where_each_ranks_traced_run_was(cluster) -> None:
+    """KIT-HANG-BACKWARD: rank 1 sleeps in layers.1's backward, rank 0 waits for it in a collective; the
+    hang keeps its stacks (the failure's text) and the diagnosis names each rank's step, phase and module."""
+    diagnosis = diagnose(cluster, "KIT-HANG-BACKWARD")
+    assert diagnosis.hang is not None and sorted(diagnosis.hang) == [0, 1], diagnosis.line()
+    assert diagnosis.hang[1] == {"step": "step 0", "phase": "backward", "module": "layers.1", "tensor": "output grad"}
+    assert (diagnosis.hang[0]["step"], diagnosis.hang[0]["phase"]) == ("step 0", "backward"), diagnosis.line()
+    assert diagnosis.exit_status == DIVERGES and not diagnosis.reason
+    assert diagnosis.line().startswith("KIT-HANG-BACKWARD: hung: rank 0 in step 0, backward, "), diagnosis.line()
+    assert "rank 1 in step 0, backward, layers.1 output grad" in diagnosis.line()
+    from tests.kit.front.diagnose import picture
+
+    drawn = picture(diagnosis)  # a row per stuck rank, marked at the phase it was in
+    assert [label.get_text() for label in drawn.axes[0].get_yticklabels()] == ["rank 0", "rank 1"]
+    assert "hung" in drawn.axes[0].get_title()
+    drawn.savefig(os.environ.get("HPKIT_HANG_FIGURE", os.devnull), format="png")
 
 
 def test_an_honest_run_has_no_divergence_and_a_failing_verdict_leads_with_its_diagnosis(cluster) -> None:

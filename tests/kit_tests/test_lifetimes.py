@@ -66,7 +66,10 @@ def test_a_hook_added_per_step_fails_from_the_second_step():
     assert probe.failed() == []
     model[0].weight.register_post_accumulate_grad_hook(lambda p: None)  # one more, never removed
     probe._check_hooks_flat("step 2 end")
-    assert probe.failed() == ["step 2 end: modules and params at the step's end: hooks registered (as in step 0)"]
+    assert probe.failed() == [  # the hook is an object held beyond step 0's too
+        "step 2 end: objects the implementation holds on the host beyond step 0's",
+        "step 2 end: modules and params at the step's end: hooks registered (as in step 0)",
+    ]
 
 
 def test_hooks_on_unsharded_params_are_counted_per_call():
@@ -115,3 +118,35 @@ def test_what_forward_created_and_kept_is_reported_but_grads():
         torch.empty(64)  # freed at once
     probe._check_created_freed("step 1 after backward")
     assert probe.failed() == []
+
+
+def test_objects_the_implementation_holds_on_the_host_fail_where_they_grow_per_step():
+    """``host_objects``: a record appended per step to a list the model holds (as an engine keeping each
+    step's handles would) fails from the step it grows; a step's end with an unshard pending is not
+    judged, and nothing held alike from step to step fails."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    model.records = []  # the engine's state: a list on the module
+    probe = _Probe(model)
+    probe._watch_before_sharding()
+    probe._check_hooks_flat("step 0 end")
+    probe._check_hooks_flat("step 1 end")
+    assert probe.failed() == []
+    model.records.append({"step": 2})  # kept, never dropped
+    probe._check_hooks_flat("step 2 end", pending=True)
+    assert probe.failed() == []
+    probe._check_hooks_flat("step 3 end")
+    assert probe.failed() == ["step 3 end: objects the implementation holds on the host beyond step 0's"]
+    failed = next(c for c in probe.ctx.checks if not c.passed)
+    assert "builtins.dict" in str(failed.measured), failed
+
+
+def test_the_walk_of_what_is_held_stops_at_other_modules_globals_and_the_kits_objects():
+    from tests.kit.explore.host_objects import held_objects
+
+    model = nn.Linear(2, 2)
+    alone = held_objects(model, ())
+    model.register_forward_hook(lambda *a: probe)  # a kit hook's closure reaches the kit's objects
+    probe = _Probe(model)
+    with_hook = held_objects(model, ())
+    assert sum(with_hook.values()) - sum(alone.values()) < 10, sorted((with_hook - alone).items())
+    assert not any(kind.startswith("tests.") for kind in with_hook)

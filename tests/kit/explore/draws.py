@@ -153,13 +153,15 @@ def configs(
 def patterns(draw: Any, config: Config, features: frozenset[str]) -> None:
     """FSDP2 users' patterns (``tests.kit.explore.patterns``), each where declared: every param frozen
     through the first forward; a head run only on each step's last micro-batch (``groups`` decides
-    whether it is in a call of its own); views modified in place; intermediates the loss reads."""
+    whether it is in a call of its own); views modified in place; intermediates the loss reads; the
+    optimizer built after a first forward."""
     if "freeze_through_lazy_init" in features and one_in(draw, 5):
         config.freeze_first = True
     if {"first_grad_on_synced_microbatch", "unit_skips_nosync_microbatches"} & features and one_in(draw, 4):
         config.late = True
     config.inplace_view = "inplace_on_output_view" in features and one_in(draw, 5)
     config.stored_loss = "stored_intermediate_loss" in features and one_in(draw, 5)
+    config.optimizer_late = "optimizer_after_forward" in features and one_in(draw, 6)
 
 
 @st.composite

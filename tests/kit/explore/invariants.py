@@ -21,7 +21,7 @@ from tests.kit.judging.layout import local_numel, shard_shape
 from tests.kit.judging.recorder import CollectiveRecorder
 from tests.kit.judging.reference import full
 from tests.kit.judging.surface import impl
-from tests.kit.judging.trace import Tracer, Untraced
+from tests.kit.judging.trace import Tracer, Untraced, mark
 
 
 class Invariants:
@@ -267,6 +267,7 @@ class Invariants:
     def _state_dict_check(self, where: str) -> dict[str, Any]:
         """The model's state dict, checked: every param there, sharded (but the ignored ones), with
         the reference's values."""
+        mark("state_dict")
         state = self.model.state_dict()
         self.gathers.maybe_resharded()
         masters = dict(self.reference.master.named_parameters())

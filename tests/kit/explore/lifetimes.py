@@ -8,6 +8,8 @@ not by a symptom elsewhere:
   but the grads (a flat gather or reduce buffer kept past its use: #231);
 - the hooks registered on the model's modules and params are as many at the end of every step from
   the second on as at the end of the first (hooks registered per step and never removed: #660);
+- the objects the implementation holds on the host (reachable from the model and from its own
+  modules' globals, by type: ``host_objects``) no more at the end of a later step than of the first;
 - every grad is a plain leaf tensor of its param's dtype that aliases no param's data (#692, #629);
 - forward and backward write no shard, bit for bit (a compute copy written back over the master: #212).
 """
@@ -26,6 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from tests.kit.explore.host_objects import grown, held_objects
 from tests.kit.explore.storages import alive_bytes
 from tests.kit.judging.surface import impl
 from tests.kit.judging.trace import Untraced
@@ -204,14 +207,20 @@ class Lifetimes:
                 self.ctx.equal(label, local.detach(), before)
         self.shards_before = {}
 
-    def _check_hooks_flat(self, where: str) -> None:
+    def _check_hooks_flat(self, where: str, pending: bool = False) -> None:
         """The hooks registered at the end of this step on the modules and params, and on each call's
-        params while it was unsharded: from the second step on, as many as in the first."""
+        params while it was unsharded: from the second step on, as many as in the first. So too the
+        objects the implementation holds on the host (``host_objects``), but at a step's end with an
+        unshard issued for the next step (``pending``: its handle is held until that step)."""
         self.hook_counts["modules and params at the step's end: hooks registered"] = registered_hooks(self.model)
         counts, self.hook_counts = self.hook_counts, {}
+        held = held_objects(self.model, impl.host_packages)
         if self.hooks_in_first_step is None:
-            self.hooks_in_first_step = counts
+            self.hooks_in_first_step, self.held_in_first_step = counts, (None if pending else held)
             return
+        if not pending and self.held_in_first_step is not None:
+            more = grown(self.held_in_first_step, held)
+            self.ctx.equal(f"{where}: objects the implementation holds on the host beyond step 0's", str(more), "[]")
         for key in sorted(counts.keys() & self.hooks_in_first_step.keys()):
             self.ctx.equal(f"{where}: {key} (as in step 0)", counts[key], self.hooks_in_first_step[key])
 

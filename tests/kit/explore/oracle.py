@@ -52,7 +52,7 @@ from tests.kit.judging.checks import CaseContext, PreconditionFailed
 from tests.kit.judging.recorder import CollectiveRecorder, record_collectives
 from tests.kit.judging.surface import impl
 from tests.kit.judging.tolerances import Tolerance, tolerance
-from tests.kit.judging.trace import traced
+from tests.kit.judging.trace import mark, traced
 from tests.kit.runtime.devices import compute_device
 from tests.kit.runtime.rank_runtime import keep
 
@@ -217,10 +217,14 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
         self.shard()
         if self._layout_broken():
             return  # training on a wrong layout only repeats the failure, or raises and hides it
-        opts = self._optimizer(self.model.parameters()), self._optimizer(self.reference.master.parameters())
         self.trace = traced(self.model, self.reference)  # the diagnosis's (tests.kit.judging.divergence)
-        if self.config.freeze_first:
-            self._frozen_first_forward()
+        if not self.config.optimizer_late:
+            opts = self._optimizer(self.model.parameters()), self._optimizer(self.reference.master.parameters())
+        if self.config.freeze_first or self.config.optimizer_late:
+            self._first_forward(frozen=self.config.freeze_first)
+        if self.config.optimizer_late:
+            opts = self._optimizer(self.model.parameters()), self._optimizer(self.reference.master.parameters())
+            self._note_copies_held(opts[0])
         steps = self.config.steps
         for index, step in enumerate(steps):
             if step.reset_iter_state:  # nothing in flight here: it only reshards
@@ -256,33 +260,41 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
             self._check_lifetimes(f"step {index}")
             following = steps[index + 1] if index + 1 < len(steps) else None
             across = following if following is not None and following.unshard_how == "across step" else None
-            self._end_step(index, step, opts, across)
-            self._check_hooks_flat(f"step {index} end")
+            if self._end_step(index, step, opts, across):
+                return  # the step refused, as promised: nothing stepped, nothing more to judge
+            self._check_hooks_flat(f"step {index} end", pending=across is not None and across.unshard is not None)
 
-    def _end_step(self, index: int, step: Any, opts: tuple, across: Any) -> None:
+    def _end_step(self, index: int, step: Any, opts: tuple, across: Any) -> bool:
         """The optimizer step and zero_grad, with the next step's "across step" unshard issued where
         it says (before clip_grad_norm_, before the step, or before zero_grad) and its handle waited
-        after them or never: the next forward, or a prefetch in it, must use the stepped params."""
+        after them or never: the next forward, or a prefetch in it, must use the stepped params.
+        True where the model's optimizer step was refused (``Patterns._refused``)."""
         at = across.across_at if across is not None and across.unshard is not None else None
         handle = None
         if at in ("clip", "step"):
             handle = self.hsdp_modules[across.unshard][0].unshard(async_op=True)
         if at == "clip":  # no clipping (an infinite bound scales by exactly 1): the norm's collectives meet the gather
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), math.inf)
+        mark("optimizer")
         with impl.optimizer_step():
-            for opt in opts:
-                opt.step()
+            if self._refused(opts[0].step):
+                if handle is not None:
+                    handle.wait()  # the issued gather ends before the example does
+                return True
+            opts[1].step()
+        mark("zero_grad")
         if at == "zero_grad":
             handle = self.hsdp_modules[across.unshard][0].unshard(async_op=True)
         self._zero_grad(step, opts)
         self._check_params(f"step {index}")
         if at is None:
-            return
+            return False
         self._note_stepped(self._first_unit(across.unshard))
         if across.across_waited and handle is not None:
             handle.wait()
         # unsharded but stale, or still gathering: gathered again, waited, or both by the next unshard
         self.gathers.forget([self._first_unit(across.unshard)])
+        return False
 
     def _unshard(self, index: int, how: str) -> None:
         """Call ``index``'s first module unsharded before the step's first forward, as ``how`` says."""
@@ -376,9 +388,11 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
         with record_collectives() as backward:
             self._backward_rec = backward
             loss = loss_of(out, self.loss_scale, self.model)
+            mark("backward")
             with self._creating():
                 loss.backward()
             self._backward_rec = None
+        mark("reduction")  # what backward left: the grads, as reduced
         self._check_gathers(f"{where} backward", backward, self.gathers.backward(self.reached, self.recompute))
         self._check_backward_order(where, backward, ordered)
         if self._times_backward():

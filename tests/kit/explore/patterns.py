@@ -19,7 +19,11 @@ reference (the plain model's result):
 - ``stored_intermediate_loss`` (``Config.stored_loss``): every Linear leaf stores on itself, after
   its output, a term computed from its input and weight (``Leaf.stored``, as a router keeps its
   auxiliary loss), and the loss adds what this forward stored (``grammar.loss_of``): backward reaches
-  the weight through that term too, not only through the module's output.
+  the weight through that term too, not only through the module's output;
+- ``optimizer_after_forward`` (``Config.optimizer_late``): the optimizers built after a first forward with
+  no backward (a warm-up, a shape inference): where a call kept its params gathered then, the model's
+  optimizer holds unsharded copies: the implementation trains right, or refuses the first step with a
+  ``RuntimeError`` naming a param and the optimizer (ours), never steps the copies silently (FSDP2).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 
 from tests.kit.explore.gathers import Unit
 from tests.kit.explore.grammar import batch, clear_stored, loss_of
+from tests.kit.judging.surface import impl
 
 
 class Patterns:
@@ -40,28 +45,59 @@ class Patterns:
     model: Any
     reference: Any
     gathers: Any
+    plans: Any
     loss_scale: Any
     tol: Any
 
-    def _frozen_first_forward(self) -> None:
-        """``freeze_through_lazy_init``: the first forward (with grad enabled) with every param frozen,
-        its loss as promised, then the params trainable again as they were drawn (frozen leaves stay
-        frozen); the ledger holds what it left gathered."""
+    def _first_forward(self, frozen: bool) -> None:
+        """A first forward (grad enabled) with no backward: ``freeze_through_lazy_init`` (``frozen``:
+        every param frozen through it, then trainable again as drawn, frozen leaves staying frozen)
+        or ``optimizer_after_forward``'s warm-up; its loss as promised; the ledger holds what it left
+        gathered."""
         trainable = [path for path, p in self.model.named_parameters() if p.requires_grad]
-        for param in self.model.parameters():
+        for param in self.model.parameters() if frozen else ():
             param.requires_grad_(False)
         args, kwargs = batch(self.config, 0, 0, self.ctx.rank)
         out = self.model(*args, **kwargs)
         with torch.no_grad():
             ref_out = self.reference.forward(args, kwargs)
         loss, ref_loss = loss_of(out, self.loss_scale), loss_of(ref_out, self.loss_scale)
-        label = "the first forward, every param frozen: loss"
+        label = "the first forward, every param frozen: loss" if frozen else "a warm-up forward: loss"
         self.ctx.close(label, loss.detach().double(), ref_loss.double(), self.tol.loss)
+        if frozen:
+            needs = any(isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values()))
+            self.ctx.equal(f"{label} needs a grad (as its inputs do)", loss.requires_grad, needs)
         self.gathers.after_forward(self._resharded_after_forward(), self._rows_gather)
         self.forward_without_backward = True  # the next backward's implicit prefetch order is ambiguous
         registered = dict(self.model.named_parameters())  # what the user reaches now (a gathered group's too)
         for path in trainable:
             registered[path].requires_grad_(True)
+
+    def _note_copies_held(self, optimizer: Any) -> None:
+        """``optimizer_after_forward``: the params of sharded plans the optimizer, built after the warm-up
+        forward, holds unsharded (a call that kept its params gathered: a copy, not what trains)."""
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        sharded = {path for path, plan in self.plans.items() if plan.kind == "sharded"}
+        named = self.model.named_parameters()
+        self.copies_held = [p for p, prm in named if id(prm) in held and p in sharded and not impl.is_sharded(prm)]
+
+    def _refused(self, model_step: Any) -> bool:
+        """The model's optimizer step; where its optimizer holds unsharded copies, the implementation may
+        refuse it (a ``RuntimeError`` naming one of their params and the optimizer: then True) or train
+        right (the params after the step are judged as always)."""
+        held, self.copies_held = getattr(self, "copies_held", []), []
+        if not held:
+            model_step()
+            return False
+        try:
+            model_step()
+        except RuntimeError as error:
+            text, leaves = str(error), sorted({path.rpartition(".")[2] for path in held})
+            named = "optimizer" in text and any(f"'{leaf}'" in text for leaf in leaves)
+            label = f"an optimizer holding the unsharded copies of {held}: its step refused naming the param"
+            self.ctx.true(label, named, text.splitlines()[0][:160] if text else "", f"one of {leaves}")
+            return True
+        return False
 
     def _late_units(self) -> list[Unit]:
         """The units of the late head's own call (none where it is in the root's)."""

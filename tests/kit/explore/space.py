@@ -167,6 +167,8 @@ class Config:
     inplace_view: bool = False
     # every Linear leaf stores an intermediate on itself (``stored``) after its output; the loss adds it
     stored_loss: bool = False
+    # the optimizer built after a first forward without backward (a warm-up, a shape inference)
+    optimizer_late: bool = False
 
     # -- JSON -----------------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -261,6 +263,8 @@ class Config:
             used.add("inplace_on_output_view")
         if self.stored_loss:
             used.add("stored_intermediate_loss")
+        if self.optimizer_late:
+            used.add("optimizer_after_forward")
         for s in self.steps:
             if not all(s.micro):
                 used.add("last_backward" if s.hold_with_last_backward else "gradient_sync")

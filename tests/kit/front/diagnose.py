@@ -68,32 +68,53 @@ def figure(diagnosis: Diagnosis) -> Any:
 def crash_figure(diagnosis: Diagnosis) -> Any:
     """Where a traced run raised: the phases of its step left to right, one row per rank, a red cross
     on each rank that raised, at its phase, labelled with the module and the error."""
+    crash = diagnosis.crash
+    label = f"{crash['module'] or '(root)'} {crash['tensor']}: {crash['error'][:70]}"
+    places = {rank: (crash["phase"], label if rank == crash["ranks"][0] else "") for rank in crash["ranks"]}
+    title = f"raised at {crash['step']}, {crash['phase']}"
+    return _places_figure(diagnosis, places, title, marker="x")
+
+
+def hang_figure(diagnosis: Diagnosis) -> Any:
+    """Where each rank of a hung traced run was: its step's phases left to right, one row per stuck
+    rank, a red square at the phase it was in, labelled with its module."""
+    places = {
+        rank: (site["phase"], f"{site['step']}: {site['module'] or '(root)'} {site['tensor']}")
+        for rank, site in sorted(diagnosis.hang.items())
+    }
+    return _places_figure(diagnosis, places, "hung", marker="s")
+
+
+def picture(diagnosis: Diagnosis) -> Any | None:
+    """The diagnosis's picture: where it raised, where it hung, or the traced tensors (None: nothing)."""
+    if diagnosis.crash is not None:
+        return crash_figure(diagnosis)
+    if diagnosis.hang:
+        return hang_figure(diagnosis)
+    return figure(diagnosis) if diagnosis.tensors else None
+
+
+def _places_figure(diagnosis: Diagnosis, places: dict[int, tuple[str, str]], title: str, marker: str) -> Any:
+    """Ranks (rows) over the phases (columns), each drawn up to the phase it is at, marked and labelled."""
     import matplotlib.pyplot as plt
 
-    crash = diagnosis.crash
     phases = ["set-up", *PHASES]
-    column = phases.index(crash["phase"]) if crash["phase"] in phases else 0
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.5 * max(2, len(crash["ranks"]))))
-    for rank in crash["ranks"]:
+    ranks = sorted(places)
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.5 * max(2, len(ranks))))
+    for rank in ranks:
+        phase, label = places[rank]
+        column = phases.index(phase) if phase in phases else 0
         ax.plot(range(column + 1), [rank] * (column + 1), color="#4a7", linewidth=3)  # what ran
-        ax.scatter([column], [rank], marker="x", s=160, color="red", linewidths=3, zorder=5)
-    ax.annotate(
-        f"{crash['module'] or '(root)'} {crash['tensor']}: {crash['error'][:70]}",
-        (column, crash["ranks"][0]),
-        textcoords="offset points",
-        xytext=(8, 8),
-        color="red",
-        fontsize=8,
-    )
+        ax.scatter([column], [rank], marker=marker, s=160, color="red", linewidths=3, zorder=5)
+        if label:
+            ax.annotate(label, (column, rank), textcoords="offset points", xytext=(8, 8), color="red", fontsize=8)
     ax.set_xticks(range(len(phases)))
     ax.set_xticklabels(phases)
-    ax.set_yticks(crash["ranks"])
-    ax.set_yticklabels([f"rank {r}" for r in crash["ranks"]])
+    ax.set_yticks(ranks)
+    ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.set_xlim(-0.5, len(phases) - 0.5)
-    ax.set_ylim(min(crash["ranks"]) - 0.7, max(crash["ranks"]) + 0.7)
-    ax.set_title(
-        f"{diagnosis.case} on {diagnosis.implementation or 'ours'}: raised at {crash['step']}, {crash['phase']}"
-    )
+    ax.set_ylim(min(ranks) - 0.7, max(ranks) + 0.7)
+    ax.set_title(f"{diagnosis.case} on {diagnosis.implementation or 'ours'}: {title}")
     fig.tight_layout()
     return fig
 
@@ -137,8 +158,9 @@ def show(diagnosis: Diagnosis) -> Diagnosis:
     from IPython.display import HTML, display
 
     display(HTML(html_line(diagnosis)))
-    if diagnosis.tensors or diagnosis.crash is not None:
-        display(crash_figure(diagnosis) if diagnosis.crash is not None else figure(diagnosis))
+    drawn = picture(diagnosis)
+    if drawn is not None:
+        display(drawn)
         import matplotlib.pyplot as plt
 
         plt.close("all")
@@ -190,10 +212,20 @@ def main(argv: list[str] | None = None) -> int:
         print("diverging tensors, in execution order:\n" + table)
     if args.json:
         diagnosis.write_json(args.json)
-    if args.figure and (diagnosis.tensors or diagnosis.crash is not None):
-        drawn = crash_figure(diagnosis) if diagnosis.crash is not None else figure(diagnosis)
+    drawn = picture(diagnosis) if args.figure else None
+    if drawn is not None:
         drawn.savefig(args.figure, dpi=110)
     return diagnosis.exit_status
 
 
-__all__ = ["PHASES", "crash_figure", "figure", "html_line", "main", "notebook_diagnose", "show"]
+__all__ = [
+    "PHASES",
+    "crash_figure",
+    "figure",
+    "hang_figure",
+    "html_line",
+    "main",
+    "notebook_diagnose",
+    "picture",
+    "show",
+]

@@ -15,15 +15,45 @@ raising rank's record reaches the driver (``RankFailure.raised``) however the ot
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from tests.kit.runtime.diagnosis import SITE_BYTES, site_file
 
 PREFIX = "HPKIT-CRASH "
 # c10d functions whose frames on the raising stack mean a gradient reduction was under way
 _REDUCTIONS = ("reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "all_reduce", "reduce_scatter_single")
+
+
+@contextlib.contextmanager
+def published(site: Site, stack_path: str | None) -> Iterator[None]:
+    """While a traced run runs on an engine, its site is published beside the engine's stacks, stamped
+    with the run's start (wall clock). A run that ends normally takes its file away; one that raises
+    (a collective's own timeout, the driver's interrupt) leaves its last place there, as the driver
+    may read it a moment after (``tests.kit.runtime.diagnosis.read_site``)."""
+    if stack_path is None:
+        yield
+        return
+    path = site_file(stack_path)
+    site.since = time.time()
+    site.sink = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    site.at(site.phase)
+    ended = False
+    try:
+        yield
+        ended = True
+    finally:
+        os.close(site.sink)
+        site.sink = None
+        if ended:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 class TracedCrash(RuntimeError):
@@ -56,23 +86,39 @@ class Site:
     module: str = ""
     tensor: str = ""
     entered: list[str] = field(default_factory=list)  # forward: modules entered and not left, outermost first
+    step: str | None = None  # the tracer's step label
+    sink: int | None = None  # a file each change of place is written to, for the driver to read in a hang
+    since: float = 0.0  # when the run publishing it started (wall clock)
 
     def at(self, phase: str) -> None:
         """The training loop starts a phase (or a call between phases)."""
         self.phase, self.module, self.tensor = phase, "", ""
         self.entered.clear()
+        self._publish()
 
     def enter(self, path: str) -> None:
         if self.phase != "backward":
             self.entered.append(path)
+            self._publish()
 
     def leave(self, path: str) -> None:
         if self.entered and self.entered[-1] == path:
             self.entered.pop()
+            self._publish()
 
     def backward_reached(self, path: str) -> None:
         """Backward reached ``path``'s output grad: its backward runs next."""
         self.phase, self.module, self.tensor = "backward", path, "output grad"
+        self._publish()
+
+    def _publish(self) -> None:
+        """Where the rank is now, over the sink's last record (a rank stuck in a collective runs no Python
+        the driver could ask; it reads this instead: ``read_site``)."""
+        if self.sink is not None:
+            phase, module, tensor = self.where()
+            record = {"step": self.step or "before step 0", "phase": phase, "module": module, "tensor": tensor}
+            record["since"] = self.since
+            os.pwrite(self.sink, json.dumps(record).encode().ljust(SITE_BYTES), 0)
 
     def where(self) -> tuple[str, str, str]:
         """(phase, module, tensor) now."""
@@ -102,18 +148,36 @@ def site_hooks(site: Site, modules: list[tuple[str, Any]], first_tensor: Callabl
     return handles
 
 
+def structure_record(step: str | None, difference: StructureDiffers) -> dict[str, Any]:
+    """A difference of structure as one record: where it appeared, the first name one side alone has,
+    and both sides' names (``model_only``, ``reference_only``)."""
+    module, _, leaf = (difference.model_only + difference.reference_only + [""])[0].rpartition(".")
+    return {
+        "step": step or "before step 0",
+        "phase": "structure",
+        "module": module,
+        "tensor": leaf,
+        "error": f"model only {difference.model_only}, reference only {difference.reference_only}",
+        "model_only": difference.model_only,
+        "reference_only": difference.reference_only,
+    }
+
+
+def merged_structure(records: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The structure difference as the diagnosis reports it: the first rank's, with every rank that saw
+    the same one (``records``: each rank's, or None)."""
+    seen = {rank: rec for rank, rec in enumerate(records) if rec}
+    if not seen:
+        return None
+    first = seen[min(seen)]
+    return {**first, "ranks": sorted(r for r, rec in seen.items() if rec["error"] == first["error"])}
+
+
 def crash_record(step: str | None, site: Site, error: BaseException) -> dict[str, Any]:
     """One rank's crash: where (``site``, the reduction phase where a reduction collective raised) and
     the exception's type and first line."""
     if isinstance(error, StructureDiffers):
-        module, _, leaf = (error.model_only + error.reference_only + [""])[0].rpartition(".")
-        return {
-            "step": step or "before step 0",
-            "phase": "structure",
-            "module": module,
-            "tensor": leaf,
-            "error": f"model only {error.model_only}, reference only {error.reference_only}",
-        }
+        return structure_record(step, error)
     phase, module, tensor = site.where()
     frames = {frame.name for frame in traceback.extract_tb(error.__traceback__)}
     if phase in ("backward", "reduction") and frames & set(_REDUCTIONS):

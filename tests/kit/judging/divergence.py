@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 
 from tests.kit.judging.case import Check, case_by_id, run_on_rank
-from tests.kit.judging.crash import as_traced_crash, crash_record, merged, records_of
+from tests.kit.judging.crash import as_traced_crash, crash_record, merged, merged_structure, published, records_of
 from tests.kit.judging.tolerances import DIAGNOSIS
 from tests.kit.judging.trace import PHASES, Tracer, tracing
 from tests.kit.runtime.cluster import RankCluster, RankFailure
+from tests.kit.runtime.diagnosis import site_text
 
 # exit status of the command line and ``Diagnosis.exit_status``
 AGREES, DIVERGES, NOT_RUN = 0, 1, 2
@@ -60,7 +61,7 @@ def traced_on_rank(
     on fresh engines (an implementation that needs them) the noise run is handed every rank's
     trace run instead (``earlier``, as the trace runs returned ``state``) and takes its own rank's."""
 
-    from tests.kit.runtime.rank_runtime import keep
+    from tests.kit.runtime.rank_runtime import keep, stack_path
 
     found = _TRACE_RUN.get(name)
     if mode == "noise" and earlier is not None:
@@ -69,7 +70,7 @@ def traced_on_rank(
         raise RuntimeError(f"no trace run of {name} on this engine to measure the noise against")
     tracer = Tracer(mode, found if mode == "noise" else None, seed)
     try:
-        with tracing(tracer):
+        with tracing(tracer), published(tracer.site, stack_path()):
             try:
                 result = run()
             except Exception as error:  # where it raised travels with it (``tests.kit.judging.crash``)
@@ -78,7 +79,7 @@ def traced_on_rank(
                 raise as_traced_crash(record, error) from error
     finally:
         keep(case_trace=found if mode == "noise" else tracer)
-    answer = {"result": result, "rows": tracer.rows()}
+    answer = {"result": result, "rows": tracer.rows(), "structure": tracer.structure}
     if mode == "trace":
         _TRACE_RUN.clear()
         _TRACE_RUN[name] = tracer
@@ -88,8 +89,10 @@ def traced_on_rank(
 
 
 def _diverged_so_far(tracer: Tracer) -> str | None:
-    """The first tensor this rank traced before a crash that left the baseline by more than the
-    threshold floor (k roundings: a crash leaves no noise run to measure the noise), or None."""
+    """A difference of structure this rank saw, else the first tensor it traced before a crash that left
+    the baseline by more than the threshold floor (k roundings: a crash leaves no noise run), or None."""
+    if tracer.structure is not None:
+        return f"{tracer.structure['step']}, structure: {tracer.structure['error']}"
     try:
         rows = tracer.rows()
     except Exception:  # noqa: BLE001 - a trace cut short mid-tensor: nothing to say of what came before
@@ -144,6 +147,8 @@ class Diagnosis:
     first_failing_check: str = ""
     compared_failing: bool = False  # a failing plan check compares a value with the baseline's ("close")
     crash: dict[str, Any] | None = None  # where the traced run raised (``tests.kit.judging.crash.merged``)
+    structure: dict[str, Any] | None = None  # params one side alone has (``crash.merged_structure``)
+    hang: dict[int, dict[str, Any]] | None = None  # rank -> where its traced run was when found stuck
 
     @property
     def first(self) -> Tensor | None:
@@ -154,10 +159,16 @@ class Diagnosis:
     def exit_status(self) -> int:
         if self.reason:
             return NOT_RUN
-        return DIVERGES if self.first is not None or self.crash is not None else AGREES
+        located = self.first is not None or self.crash is not None or self.structure or self.hang
+        return DIVERGES if located else AGREES
 
     def first_divergence(self) -> dict[str, Any] | None:
-        """The first divergence as the JSON holds it."""
+        """The first divergence as the JSON holds it: a difference of structure before any tensor."""
+        if self.structure is not None:
+            return {**self.structure, "error": None, "threshold": None, "difference": self.structure["error"]}
+        return self._first_tensor()
+
+    def _first_tensor(self) -> dict[str, Any] | None:
         first = self.first
         if first is None:
             return None
@@ -177,9 +188,13 @@ class Diagnosis:
         """One line: the first divergence and that everything before it agrees, or no divergence."""
         if self.reason:
             return f"{self.case}: not diagnosed: {self.reason}"
+        if self.structure is not None:
+            return self._structure_line()
         if self.crash is not None:
             return self._crash_line()
-        first = self.first_divergence()
+        if self.hang:
+            return self._hang_line()
+        first = self._first_tensor()
         if first is None:
             compared = sum(1 for t in self.tensors if any(e is not None for e in t.errors.values()))
             line = f"{self.case}: no divergence: {compared} traced tensors, each within its threshold"
@@ -193,6 +208,20 @@ class Diagnosis:
             f"{first['module'] or '(root)'} {first['tensor']}, rank{'s' if len(first['ranks']) > 1 else ''} {ranks}: "
             f"relative error {error} > threshold {first['threshold']:.2e}; everything before this agrees"
         )
+
+    def _structure_line(self) -> str:
+        """The difference of structure, then what the trace of the params both sides have found after it."""
+        where = self.structure
+        ranks = ",".join(map(str, where["ranks"]))
+        head = f"{self.case}: first divergence at {where['step']}, structure: {where['error']} (ranks {ranks})"
+        rest = Diagnosis(self.case, self.implementation, self.status, self.tensors, crash=self.crash)
+        after = rest.line().removeprefix(f"{self.case}: ")
+        return f"{head}; then, on the params both have: {after}"
+
+    def _hang_line(self) -> str:
+        """Where each stuck rank's traced run was (ranks not named finished, raised or died)."""
+        places = "; ".join(f"rank {rank} in {site_text(site)}" for rank, site in sorted(self.hang.items()))
+        return f"{self.case}: hung: {places}"
 
     def _crash_line(self) -> str:
         crash = self.crash
@@ -224,6 +253,8 @@ class Diagnosis:
             "status": self.status,
             "first_divergence": self.first_divergence(),
             "crash": self.crash,
+            "structure": self.structure,
+            "hang": {str(rank): site for rank, site in sorted(self.hang.items())} if self.hang else None,
             "line": self.line(),
             "reason": self.reason or None,
             "seconds": round(self.seconds, 2),
@@ -338,15 +369,17 @@ def diagnose_runs(
     try:
         traced = run("trace")
         diagnosis.status, diagnosis.first_failing_check = _first_failing(traced)
+        diagnosis.structure = merged_structure([r.get("structure") for r in traced])
         checks = [c for r in traced for c in r["result"]["checks"]]
         diagnosis.compared_failing = any(not c["passed"] and c["kind"] == "close" and not c["extra"] for c in checks)
-        diagnosis.reason = _why_not_diagnosed(diagnosis.status, traced, failing_only)
+        diagnosis.reason = _why_not_diagnosed(diagnosis.status, traced, failing_only and not diagnosis.structure)
         if not diagnosis.reason:
             noise = run("noise")
             diagnosis.tensors = merge([r["rows"] for r in traced], [r["rows"] for r in noise])
     except RankFailure as failure:
         diagnosis.crash = merged(records_of(failure.raised))
-        if diagnosis.crash is None:  # nothing traced raised: a hang, a rank that died, set-up
+        diagnosis.hang = failure.sites if diagnosis.crash is None and failure.timed_out else None
+        if diagnosis.crash is None and not diagnosis.hang:  # a rank that died, set-up, an untraced hang
             diagnosis.reason = f"a run failed: {str(failure).splitlines()[0][:300]}"
         diagnosis.status = diagnosis.status or "ERROR"
     diagnosis.seconds = time.monotonic() - started

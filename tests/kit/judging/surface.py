@@ -110,6 +110,8 @@ FEATURES: dict[str, str] = {
     "unit_skips_nosync_microbatches": "a sharded module run only on a step's last micro-batch, not the held ones",
     "inplace_on_output_view": "a sharded module returns a view of its output, a module above modifies it in place",
     "stored_intermediate_loss": "a module stores an intermediate on itself in forward, the loss adds a term read there",
+    "optimizer_after_forward": "the optimizer built after a first forward (a warm-up): it trains the params, or its "
+    "step is refused naming the param",
 }
 
 
@@ -185,6 +187,12 @@ class Implementation:
     def __init__(self, spec: Spec, package: ModuleType | None) -> None:
         self.spec = spec
         self.package = package  # the imported package under test (for provenance)
+
+    @property
+    def host_packages(self) -> tuple[str, ...]:
+        """The implementation's own modules, by name prefix: L4 counts what their globals hold
+        (``tests.kit.explore.host_objects``)."""
+        return (self.package.__name__,) if self.package is not None else ()
 
     # -- meshes ------------------------------------------------------------------------------
     def init_mesh(self, device_type: str, shape: tuple[int, ...], dim_names: tuple[str, ...]) -> Any:

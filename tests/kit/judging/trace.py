@@ -245,6 +245,7 @@ class Tracer:
     step_label: str | None = None  # None: paused
     rounding: torch.dtype | None = None  # the baseline's own word on what departs (``rounding_dtype``)
     site: Site = field(default_factory=Site)  # where the run is: a crash's place (``tests.kit.judging.crash``)
+    structure: dict[str, Any] | None = None  # the first difference of params the two sides showed (``crash``)
     _sides: list[_Side] = field(default_factory=list, repr=False)
     _generator: torch.Generator | None = field(default=None, repr=False)
 
@@ -274,7 +275,7 @@ class Tracer:
     def begin(self, label: str | None) -> None:
         """A new step (or micro-batch) starts: forward call counts restart; None pauses the trace
         (steps the baseline does not take alike)."""
-        self.step_label = label
+        self.step_label = self.site.step = label
         self.site.at("forward")
         for side in self._sides:
             side.begin()

@@ -245,7 +245,7 @@ def judge_case(
     again alone on fresh engines, and if it passes there the verdict says that state leaks between
     cases (it stays failed: an implementation must survive several cases per process).
 
-    A FAIL is then diagnosed (``tests.kit.judging.divergence``: two more runs of the case, traced),
+    A FAIL, ERROR or TIMEOUT is then diagnosed (``tests.kit.judging.divergence``: more runs of the case, traced),
     unless ``HPKIT_DIAGNOSE=0``; its verdict leads with the first divergence."""
     if isolate:
         cluster.renew()
@@ -263,8 +263,9 @@ def judge_case(
 
 
 def _diagnosed(cluster: RankCluster, verdict: Verdict, timeout: float | None) -> Verdict:
-    """The verdict with its diagnosis, where it failed its checks or raised (not a leak: alone it passes)."""
-    if verdict.status in ("FAIL", "ERROR") and not verdict.leak and wanted():
+    """The verdict with its diagnosis, where it failed its checks, raised or hung (not a leak: alone it
+    passes); a hang's traced run hangs again, bounded alike, and names where each rank was."""
+    if verdict.status in ("FAIL", "ERROR", "TIMEOUT") and not verdict.leak and wanted():
         diagnosis = diagnose(cluster, verdict.case.id, timeout)
         if diagnosis.exit_status != NOT_RUN:  # a case with nothing traced keeps its plain verdict
             verdict.diagnosis = diagnosis

@@ -435,7 +435,8 @@ class RankCluster:
             headline.append(f"rank {r} raised {line}")
             texts[r] = f"rank {r} raised {line}\n{format_remote_error(exc)}{task_output(ars[r])}"
         stuck = sorted(pending)
-        notes = self.pool.settle(ars, stuck, texts, elapsed=elapsed, timed_out=timed_out, dead=dead)
+        sites: dict[int, dict[str, Any]] = {}
+        notes = self.pool.settle(ars, stuck, texts, elapsed=elapsed, timed_out=timed_out, dead=dead, sites=sites)
         if timed_out:
             headline.insert(0, f"timed out after {timeout:g} s with ranks {stuck} still running")
         elif stuck:
@@ -444,4 +445,4 @@ class RankCluster:
         if notes:
             summary += f" [{notes}]"
         raised = {r: error_parts(exc) for r, exc in errors.items()}
-        return RankFailure(summary, texts, elapsed, raised=raised, dead=set(dead), timed_out=timed_out)
+        return RankFailure(summary, texts, elapsed, raised=raised, dead=set(dead), timed_out=timed_out, sites=sites)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import signal
 import time
@@ -33,6 +34,7 @@ class RankFailure(AssertionError):
         raised: dict[int, tuple[str, str]] | None = None,
         dead: set[int] | frozenset[int] = frozenset(),
         timed_out: bool = False,
+        sites: dict[int, dict[str, Any]] | None = None,
     ) -> None:
         """Build the message from a one-line summary and rank -> text."""
         self.summary = summary
@@ -41,6 +43,7 @@ class RankFailure(AssertionError):
         self.raised = dict(raised or {})  # rank -> (exception type name, first line of its message)
         self.dead = set(dead)
         self.timed_out = timed_out
+        self.sites = dict(sites or {})  # rank -> where its traced run was when it was found stuck
         parts = [summary]
         for rank, text in self.failures.items():
             parts.append(f"\n===== rank {rank} =====\n{text.rstrip()}")
@@ -185,3 +188,33 @@ def task_output(ar: Any) -> str:
             if text:
                 out.append(f"\n[{name}]\n" + _ANSI.sub("", text[-4000:]))
     return "".join(out)
+
+
+SITE_BYTES = 1024  # a published site's record, padded: each write covers the last whole
+_SITE_SLACK_S = 1.0  # a record's start may read a little before the run's start as the driver measured it
+
+
+def site_file(stack_path: str) -> str:
+    """Where a rank's engine publishes its traced run's site (``tests.kit.judging.crash.Site``), beside
+    its faulthandler stacks."""
+    return stack_path + ".site"
+
+
+def read_site(stack_path: str, since: float) -> dict[str, Any] | None:
+    """The site a rank's traced run last published, if that run started at ``since`` (wall clock) or
+    later: a run that ended normally leaves no file, one that raised leaves its last place, and an
+    older run's record says nothing of this one (None)."""
+    try:
+        with open(site_file(stack_path), "rb") as published:
+            text = published.read().decode(errors="replace").strip()
+        record = json.JSONDecoder().raw_decode(text)[0] if text else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.pop("since", 0.0) < since - _SITE_SLACK_S:
+        return None
+    return record
+
+
+def site_text(site: dict[str, Any]) -> str:
+    """A published site as the failure's text says it: step, phase, module and tensor."""
+    return f"{site['step']}, {site['phase']}, {site['module'] or '(root)'} {site['tensor']}".rstrip()

@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from tests.kit.runtime.diagnosis import RankFailure, exit_text, format_stack, tail, task_output
+from tests.kit.runtime.diagnosis import RankFailure, exit_text, format_stack, read_site, site_text, tail, task_output
 from tests.kit.runtime.rank_runtime import engine_boot
 from tests.kit.runtime.zygote import exit_status_file
 
@@ -317,8 +317,10 @@ class EnginePool:
         elapsed: float | None = None,
         timed_out: bool = False,
         dead: Iterable[int] = (),
+        sites: dict[int, dict[str, Any]] | None = None,
     ) -> str:
-        """Dump stacks of stuck ranks, interrupt them, kill+restart what stays stuck or died."""
+        """Dump stacks of stuck ranks, interrupt them, kill+restart what stays stuck or died; where a
+        stuck rank's traced run was goes into ``sites`` (rank -> its published site) and its text."""
         restart = {r for r in ars if not self.alive(r)} | set(dead)
         if stuck:
             stacks = self.dump_stacks(stuck)
@@ -326,7 +328,11 @@ class EnginePool:
                 when = f" at {elapsed:.1f} s" if elapsed is not None else ""
                 state = "timed out" if timed_out else "still running"
                 stack = stacks.get(r) or "(no stack)"
-                texts[r] = f"rank {r} {state}; Python stack{when}:\n{stack}{task_output(ars[r])}"
+                site = read_site(self.engines[r].stack_path, since=time.time() - (elapsed or 0.0))
+                if site is not None and sites is not None:
+                    sites[r] = site
+                at = f" in its traced run at {site_text(site)}" if site else ""
+                texts[r] = f"rank {r} {state}{at}; Python stack{when}:\n{stack}{task_output(ars[r])}"
             self.interrupt(stuck)
             end = time.monotonic() + _INTERRUPT_GRACE_S
             left = [r for r in stuck if not ars[r].done()]

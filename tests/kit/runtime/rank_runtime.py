@@ -72,6 +72,11 @@ def _watch_parent(driver_pid: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def stack_path() -> str | None:
+    """This engine's faulthandler file (None outside an engine the cluster booted)."""
+    return _ENGINE_STATE.get("stack_path")
+
+
 def _stack_file(stack_dir: str) -> str:
     """Route faulthandler (SIGUSR1 dumps and fatal signals) to a per-engine file; its path."""
     path = _ENGINE_STATE.get("stack_path")

@@ -18,13 +18,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.kit.judging.checks import CaseContext
-from tests.kit.judging.crash import StructureDiffers
+from tests.kit.judging.crash import StructureDiffers, structure_record
 from tests.kit.judging.layout import local_numels
 from tests.kit.judging.recorder import CollectiveRecorder, record_collectives
 from tests.kit.judging.reference import SameDtypeReference, full, gather_from, named_params
 from tests.kit.judging.surface import impl
 from tests.kit.judging.tolerances import Tolerance
-from tests.kit.judging.trace import Tracer, Untraced, mark, traced
+from tests.kit.judging.trace import Tracer, Untraced, active, mark, traced
 from tests.kit.workloads.models import DIMS, rank_batches
 
 
@@ -202,13 +202,23 @@ def compared_params(model: Any, names: Mapping[str, str] | None = None) -> dict[
     return {ref_name: ours[our_name] for our_name, ref_name in names.items()}
 
 
-def _reference_params(reference: Any, compared: Mapping[str, nn.Parameter]) -> dict[str, nn.Parameter]:
-    """The reference's params that the compared params of the model stand for, by name."""
+def _aligned(
+    reference: Any, compared: Mapping[str, nn.Parameter]
+) -> tuple[dict[str, nn.Parameter], dict[str, nn.Parameter]]:
+    """The compared params of the model and the reference's params they stand for, by name. Where one
+    side has params the other lacks (a tie come untied, a param registered again), an untraced run
+    raises ``StructureDiffers``; a traced one (the diagnosis) records the difference as its first
+    divergence and goes on with the params both have, so what follows is still traced."""
     every = named_params(reference)
     missing = [name for name in compared if name not in every]
     if missing:
-        raise StructureDiffers(missing, sorted(set(every) - set(compared)))
-    return {name: every[name] for name in compared}
+        difference = StructureDiffers(missing, sorted(set(every) - set(compared)))
+        tracer = active()
+        if tracer is None:
+            raise difference
+        tracer.structure = tracer.structure or structure_record(tracer.step_label, difference)
+    both = {name: param for name, param in compared.items() if name in every}
+    return both, {name: every[name] for name in both}
 
 
 def _forward_backward(loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
@@ -310,7 +320,7 @@ def train_against(
     opts = make_optimizer(model.parameters()), make_optimizer(reference.parameters())
     # the params the optimizer steps: the module may hold other (unsharded) ones between steps
     stepped = compared_params(model, names)
-    references = _reference_params(reference, stepped)
+    stepped, references = _aligned(reference, stepped)
     model_step = model_step or _forward_backward(loss_fn)
     prefix = f"{label} " if label else ""
     tracer = traced(model, reference)  # the diagnosis's (tests.kit.judging.divergence); else does nothing
@@ -403,7 +413,7 @@ def train_accumulating_against(
     make_optimizer = make_optimizer or _adam
     opts = make_optimizer(model.parameters()), make_optimizer(reference.parameters())
     stepped = named_params(model)  # the params the optimizer steps
-    references = _reference_params(reference, stepped)
+    stepped, references = _aligned(reference, stepped)
     prefix = f"{label} " if label else ""
     tracer = traced(model, reference)
     for step, micro_batches in enumerate(step_batches):
