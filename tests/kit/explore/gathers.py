@@ -66,17 +66,18 @@ class GatherLedger:
         """The all-gathers the coming forward issues, where no unit's state is unknown."""
         return sum(calls for unit, calls in self.calls.items() if unit not in self.unsharded)
 
-    def backward(self, reached: set[int], recompute: bool) -> Bounds:
+    def backward(self, reached: set[int], recompute: bool, idle: frozenset[Unit] = frozenset()) -> Bounds:
         """(least, most) elements the backward just run had to all-gather, the units as forward left
         them: every unit it reached and needs that is not unsharded, once; at most once more each
         under activation checkpointing (``recompute``); a unit it did not reach at most once (a
-        prefetch ahead of a need that never came)."""
+        prefetch ahead of a need that never came). ``idle``: units of reached calls that ran no
+        forward (a list call's module, each a group of its own): not reached."""
         least = most = 0
         for unit in self.sizes:
             if unit in self.skip_backward:
                 continue
             low, high = self._gather(unit)
-            hit = unit[0] in reached
+            hit = unit[0] in reached and unit not in idle
             least += low if hit else 0
             most += high * (2 if hit and recompute else 1)
         return least, most
@@ -98,12 +99,14 @@ class GatherLedger:
             else:
                 self.mark([unit], not setting)
 
-    def after_backward(self, reached: set[int], resharded: list[bool]) -> None:
+    def after_backward(self, reached: set[int], resharded: list[bool], idle: frozenset[Unit] = frozenset()) -> None:
         """Reached units as reshard_after_backward says (a unit backward does not gather keeps what
-        forward left unless resharded). One backward never reached may be left either way:
-        unsharded by a prefetch and kept (torch FSDP2), or resharded (ours)."""
+        forward left unless resharded). One backward never reached (or ``idle``, as in ``backward``)
+        may be left either way: unsharded by a prefetch and kept (torch FSDP2), or resharded (ours)."""
         for unit in self.sizes:
-            if unit[0] in reached and unit in self.skip_backward and not resharded[unit[0]]:
+            if unit in idle:
+                self._forget(unit)
+            elif unit[0] in reached and unit in self.skip_backward and not resharded[unit[0]]:
                 if unit in self.rows:
                     self.unknown[unit] = self.rows.pop(unit)[1]
             elif unit[0] in reached:

@@ -179,9 +179,28 @@ class Invariants:
             kept = after_forward[index] if self.config.groups[index].skips_backward_gather else False
             self._numels(
                 f"{where} after backward, call {index} reshard_after_backward={resharded}",
-                self._own_numels(index),
+                self._ran_numels(index),
                 True if resharded else kept,  # not gathered in backward: as forward left it
             )
+
+    def _idle_units(self) -> frozenset[Unit]:
+        """Units of list calls that ran no forward this micro-batch (the late head's on a held one)."""
+        return frozenset(
+            (index, path)
+            for index, group in enumerate(self.config.groups)
+            if len(group.paths) > 1
+            for path in group.paths
+            if (index, path) not in self.after_forward
+        )
+
+    def _ran_numels(self, index: int) -> dict[str, int]:
+        """Call ``index``'s params, but those of a list call's module that ran no forward this micro-batch
+        (the late head's on a held one): each module of a list is a group of its own, left as it was."""
+        paths = self.config.groups[index].paths
+        if len(paths) == 1:
+            return self._own_numels(index)
+        ran = [path for path in paths if (index, path) in self.after_forward]
+        return {param: n for path in ran for param, n in self._own_numels(index, path).items()}
 
     def _numels(self, label: str, numels: dict[str, int], resharded: bool | int) -> None:
         """Each sharded param holds its shard (True), the whole param (False), or its chunk of a row

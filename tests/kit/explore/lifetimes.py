@@ -139,6 +139,7 @@ class Lifetimes:
         self.kept_storages.watch(self.model.named_parameters())
         self.hook_counts: dict[str, int] = {}  # this step's counts (``_check_hooks_flat``)
         self.hooks_in_first_step: dict[str, int] | None = None
+        self.held_at_first_end: tuple[str, Any] | None = None  # (where, counts): ``_check_held_objects``
 
     def _local_shards(self) -> list[tuple[str, torch.Tensor]]:
         return [(path, impl.local(p)) for path, p in self.model.named_parameters()]
@@ -210,19 +211,28 @@ class Lifetimes:
     def _check_hooks_flat(self, where: str, pending: bool = False) -> None:
         """The hooks registered at the end of this step on the modules and params, and on each call's
         params while it was unsharded: from the second step on, as many as in the first. So too the
-        objects the implementation holds on the host (``host_objects``), but at a step's end with an
-        unshard issued for the next step (``pending``: its handle is held until that step)."""
+        objects the implementation holds on the host (``host_objects``), from the first step's end where
+        it holds nothing for later on: not with an unshard issued for the next step (``pending``: its
+        handle is held until then), nor with per-replica parts of grads kept for a later all-reduce."""
         self.hook_counts["modules and params at the step's end: hooks registered"] = registered_hooks(self.model)
         counts, self.hook_counts = self.hook_counts, {}
-        held = held_objects(self.model, impl.host_packages)
+        self._check_held_objects(where, pending or self.reference.keeps_replica_parts)
         if self.hooks_in_first_step is None:
-            self.hooks_in_first_step, self.held_in_first_step = counts, (None if pending else held)
+            self.hooks_in_first_step = counts
             return
-        if not pending and self.held_in_first_step is not None:
-            more = grown(self.held_in_first_step, held)
-            self.ctx.equal(f"{where}: objects the implementation holds on the host beyond step 0's", str(more), "[]")
         for key in sorted(counts.keys() & self.hooks_in_first_step.keys()):
             self.ctx.equal(f"{where}: {key} (as in step 0)", counts[key], self.hooks_in_first_step[key])
+
+    def _check_held_objects(self, where: str, holding: bool) -> None:
+        if holding:
+            return
+        held = held_objects(self.model, impl.host_packages)
+        if self.held_at_first_end is None:
+            self.held_at_first_end = (where, held)
+            return
+        first, before = self.held_at_first_end
+        more = grown(before, held)
+        self.ctx.equal(f"{where}: objects the implementation holds on the host beyond {first}'s", str(more), "[]")
 
     def _check_grad_kind(self, where: str, path: str, param: nn.Parameter, grad: torch.Tensor) -> None:
         """A grad is a plain leaf of its param's dtype, aliasing no param's data."""

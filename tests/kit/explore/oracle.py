@@ -393,11 +393,12 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
                 loss.backward()
             self._backward_rec = None
         mark("reduction")  # what backward left: the grads, as reduced
-        self._check_gathers(f"{where} backward", backward, self.gathers.backward(self.reached, self.recompute))
+        idle = self._idle_units()
+        self._check_gathers(f"{where} backward", backward, self.gathers.backward(self.reached, self.recompute, idle))
         self._check_backward_order(where, backward, ordered)
         if self._times_backward():
             self._check_backward_starts(where)
-        self.gathers.after_backward(self.reached, self.reshard_after_backward)
+        self.gathers.after_backward(self.reached, self.reshard_after_backward, idle)
         self._check_storage_freed(f"{where} after backward")
         rec = CollectiveRecorder()
         rec.calls = forward.calls + backward.calls

@@ -74,10 +74,11 @@ class Patterns:
             registered[path].requires_grad_(True)
 
     def _note_copies_held(self, optimizer: Any) -> None:
-        """``optimizer_after_forward``: the params of sharded plans the optimizer, built after the warm-up
-        forward, holds unsharded (a call that kept its params gathered: a copy, not what trains)."""
+        """``optimizer_after_forward``: the params the engine manages (not ignored) that the optimizer,
+        built after the warm-up forward, holds as plain tensors (a call that kept its params gathered:
+        a copy, not what trains)."""
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        sharded = {path for path, plan in self.plans.items() if plan.kind == "sharded"}
+        sharded = {path for path, plan in self.plans.items() if plan.kind != "ignored"}  # the engine's own
         named = self.model.named_parameters()
         self.copies_held = [p for p, prm in named if id(prm) in held and p in sharded and not impl.is_sharded(prm)]
 

@@ -157,6 +157,9 @@ KNOWN_DEFECTS = {
     frozenset({"stored_intermediate_loss"}): "a module stores a term of its input and weight after its output "
     "and the loss adds it: resharded after forward, backward reaches the freed unsharded weight through that "
     "term before the module's pre-backward hook ('setStorage: ... storage of size 0'; replay 0c4ada958a)",
+    frozenset({"optimizer_after_forward"}): "the optimizer built after a warm-up forward, a call that kept its "
+    "params gathered (the root by default): model.parameters() lists the unsharded copies, the optimizer steps "
+    "them and the sharded params never change, silently (pytorch#149205; replay 49fd566fb8, the 3rd draw)",
 }
 
 
