@@ -85,6 +85,15 @@ class _RaisesInBackward(torch.autograd.Function):
         raise RuntimeError("deliberate crash in layers.1's backward")
 
 
+class _SleepsInBackward(_RaisesInBackward):
+    """Identity in forward; its backward sleeps (a rank stuck where its peers wait for it)."""
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(3600)
+        return grad
+
+
 @case("KIT-CRASH-FORWARD", "kit_forward_crash", world_size=2, mesh={"dp": 2}, config="FSDP 1D fp32", timeout=60)
 def forward_crash(ctx: CaseContext) -> None:
     """L0-01's training, layers.1's forward raising at step 1 on both ranks (a pre-hook, as an
@@ -127,19 +136,6 @@ def untied(ctx: CaseContext) -> None:
     batches = [rank_tokens(step, ctx.rank, (3, 5), vocab=11) for step in range(2)]
     loss = torch.nn.functional.cross_entropy
     train_against(ctx, model, ddp, batches, lambda m, t: loss(m(t).flatten(0, 1), t.flatten()), ctx.tol)
-
-
-class _SleepsInBackward(torch.autograd.Function):
-    """Identity in forward; its backward sleeps (a rank stuck where its peers wait for it)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        time.sleep(3600)
-        return grad
 
 
 @case("KIT-HANG-BACKWARD", "kit_backward_hang", world_size=2, mesh={"dp": 2}, config="FSDP 1D fp32", timeout=8)
