@@ -106,9 +106,9 @@ class Patterns:
 
     def _late_switch(self, on: bool, starts: bool = False) -> None:
         """The late head run (``on``: a step's last micro-batch) or not, in both models; where it is not,
-        its own call's state is unknown to the ledger (a prefetch may gather it, nothing else), and
-        under prefetch lists, which name it, every call's, there and in the first forward running it
-        again (L4 found ours gathering less than the ledger said then: 82e33e4040, not yet explained).
+        its own call's state is unknown to the ledger (a prefetch may gather it, nothing else). The other
+        calls' stay known: a list call's module that runs no forward is left as it was (``_idle_units``),
+        the case that had made the ledger forget every call under prefetch.
         ``starts``: a micro-batch starts, what the leaves stored in earlier forwards dropped."""
         if starts:
             self._micro_done()
@@ -119,12 +119,7 @@ class Patterns:
         if not units:
             return
         if not on:
-            self.late_skipped = True
-            self.gathers.forget(self._units() if self.config.prefetch else units)
-        elif starts and getattr(self, "late_skipped", False):
-            self.late_skipped = False
-            if self.config.prefetch:
-                self.gathers.forget(self._units())
+            self.gathers.forget(units)
 
     def _micro_done(self) -> None:
         """What the leaves stored dropped (freed with the step's graph), the late head on again."""
