@@ -10,6 +10,7 @@ mutates (the behaviour) makes it stale. The match must be unique across the engi
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import re
 import textwrap
@@ -92,17 +93,28 @@ def _dedent_shifts(text: str, dedented: str) -> list[int]:
     return shifts + [0]
 
 
-def find_spans(needle: list[Token], haystack: list[Token]) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=128)
+def _file_tokens(text: str) -> tuple[tuple[Token, ...], tuple[tuple[int, str], ...]]:
+    """A whole file's tokens and their keys, kept: every mutant searches the same engine files."""
+    found = tuple(tokens(text))
+    return found, tuple(t.key for t in found)
+
+
+def find_spans(needle: list[Token], haystack: list[Token] | tuple[Token, ...]) -> list[tuple[int, int]]:
     """Every place ``needle``'s tokens occur in a row in ``haystack``: (first token, last token) indices."""
     if not needle:
         return []
     keys = [t.key for t in haystack]
-    want = [t.key for t in needle]
+    return _spans(needle, keys)
+
+
+def _spans(needle: list[Token], keys: list[tuple[int, str]] | tuple[tuple[int, str], ...]) -> list[tuple[int, int]]:
+    want = tuple(t.key for t in needle)
     first = want[0]
     return [
         (i, i + len(want) - 1)
         for i in range(len(keys) - len(want) + 1)
-        if keys[i] == first and keys[i : i + len(want)] == want
+        if keys[i] == first and tuple(keys[i : i + len(want)]) == want
     ]
 
 
@@ -113,8 +125,8 @@ def locate(find: str, sources: Mapping[str, str], label: str = "a mutant") -> Lo
     hits = [
         (file, span, toks)
         for file, text in sources.items()
-        for toks in [tokens(text)]
-        for span in find_spans(needle, toks)
+        for toks, keys in [_file_tokens(text)]
+        for span in (_spans(needle, keys) if needle else [])
     ]
     if len(hits) != 1:
         where = ", ".join(sorted({file for file, _, _ in hits})) or "no engine file"
@@ -176,11 +188,20 @@ def qualname_at(text: str, line: int) -> str:
             else:
                 visit(child, prefix)
 
-    try:
-        visit(ast.parse(text), [])
-    except SyntaxError:
+    tree = _parsed(text)
+    if tree is None:
         return ""
+    visit(tree, [])
     return ".".join(names)
+
+
+@functools.lru_cache(maxsize=128)
+def _parsed(text: str) -> ast.Module | None:
+    """A file's syntax tree, kept (None where it does not parse)."""
+    try:
+        return ast.parse(text)
+    except SyntaxError:
+        return None
 
 
 def engine_sources(root: Path, files: Iterable[str] | None = None) -> dict[str, str]:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tests.kit.judging.raising_module import engine_module, input_nodes, owners_of, stored_tensors, tag_nodes
 from tests.kit.runtime.diagnosis import SITE_BYTES, site_file
 
 PREFIX = "HPKIT-CRASH "
@@ -89,6 +90,7 @@ class Site:
     step: str | None = None  # the tracer's step label
     sink: int | None = None  # a file each change of place is written to, for the driver to read in a hang
     since: float = 0.0  # when the run publishing it started (wall clock)
+    modules: list[tuple[str, Any]] = field(default_factory=list)  # the model's (path, module), as hooked
 
     def at(self, phase: str) -> None:
         """The training loop starts a phase (or a call between phases)."""
@@ -111,6 +113,12 @@ class Site:
         self.phase, self.module, self.tensor = "backward", path, "output grad"
         self._publish()
 
+    def node_reached(self, path: str, node: str) -> None:
+        """Backward runs ``node``, an autograd node ``path``'s forward created."""
+        if (self.phase, self.module, self.tensor) != ("backward", path, node):
+            self.phase, self.module, self.tensor = "backward", path, node
+            self._publish()
+
     def _publish(self) -> None:
         """Where the rank is now, over the sink's last record (a rank stuck in a collective runs no Python
         the driver could ask; it reads this instead: ``read_site``)."""
@@ -129,21 +137,35 @@ class Site:
 
 def site_hooks(site: Site, modules: list[tuple[str, Any]], first_tensor: Callable[[Any], Any]) -> list[Any]:
     """Hooks keeping ``site`` on the model's modules (path, module), first of each module's own (an
-    implementation's hooks may raise): entering and leaving forward, and, once backward reaches a
-    module's output grad (its ``first_tensor``, as the trace records it), its backward."""
+    implementation's hooks may raise): entering and leaving forward; once backward reaches a module's
+    output grad (its ``first_tensor``, as the trace records it), its backward; and each autograd node
+    its forward created, as backward runs it (``raising_module.tag_nodes``)."""
+    site.modules = list(modules)
+    stops: dict[str, list[list[Any]]] = {}  # path -> per open call, the nodes its inputs came from
+
+    def enter(path: str) -> Any:
+        def hook(module: Any, args: Any, kwargs: Any) -> None:
+            site.enter(path)
+            if site.phase != "backward":
+                stops.setdefault(path, []).append(input_nodes(args, kwargs))
+
+        return hook
 
     def leave(path: str) -> Any:
         def hook(module: Any, args: Any, output: Any) -> None:
             site.leave(path)
+            if site.phase == "backward":
+                return
+            tag_nodes(path, (output, stored_tensors(module)), (stops.get(path) or [[]]).pop(), site.node_reached)
             tensor = first_tensor(output)
-            if tensor is not None and tensor.requires_grad and site.phase != "backward":
+            if tensor is not None and tensor.requires_grad:
                 tensor.register_hook(lambda grad: site.backward_reached(path))
 
         return hook
 
     handles = []
     for path, module in modules:
-        handles.append(module.register_forward_pre_hook(lambda *_, path=path: site.enter(path), prepend=True))
+        handles.append(module.register_forward_pre_hook(enter(path), prepend=True, with_kwargs=True))
         handles.append(module.register_forward_hook(leave(path), prepend=True))
     return handles
 
@@ -182,6 +204,12 @@ def crash_record(step: str | None, site: Site, error: BaseException) -> dict[str
     frames = {frame.name for frame in traceback.extract_tb(error.__traceback__)}
     if phase in ("backward", "reduction") and frames & set(_REDUCTIONS):
         phase, tensor = "reduction", "grads"
+    if phase != "forward":  # an engine's own code raised: the module its frames were handling
+        owners = owners_of(site.modules)
+        held = engine_module(error, owners)
+        if held is not None:
+            module, leaf = held
+            tensor = (f"{leaf}.grad" if phase == "reduction" else leaf) if leaf else "hooks"
     first_line = (str(error).strip().splitlines() or [""])[0][:300]
     return {
         "step": step or "before step 0",
