@@ -989,6 +989,31 @@ MUTANTS: tuple[Mutant, ...] = (
         "            param.requires_grad_(previous.requires_grad)\n",
         "",
     ),
+    # issue 53's two held-out bugs: L4 killed them at seed 1 before its grammar grew; its reach must hold
+    Mutant(
+        "95",
+        STATE,
+        "activation checkpointing (recompute)",
+        "held out (issue 53): a forward recomputed in backward reshards its group after it, as a first "
+        "forward would: backward gathers the group again (extra all-gathers, the memory of a reshard lost)",
+        "        grad_enabled = torch.is_grad_enabled()\n"
+        "        if not recomputing:\n"
+        "            if self.param_group is not None and self._reshards_after_forward():\n",
+        "        grad_enabled = torch.is_grad_enabled()\n"
+        "        if recomputing and self.param_group is not None and self._reshards_after_forward():\n"
+        "            self.param_group.reshard()\n"
+        "        if not recomputing:\n"
+        "            if self.param_group is not None and self._reshards_after_forward():\n",
+    ),
+    Mutant(
+        "96",
+        STATE,
+        "implicit backward prefetch",
+        "held out (issue 53): backward prefetches every group whose forward ran, not the next one "
+        "backward reaches: everything gathered ahead (the memory of sharding lost, and groups gathered again)",
+        "        for target in self.backward_prefetch or self.iteration.next_in_backward(self):\n",
+        "        for target in self.backward_prefetch or [s for s in self.iteration.forward_order if s is not self]:\n",
+    ),
 )
 
 
