@@ -69,6 +69,7 @@ from tests.kit.runtime.engines import (
     launch_engine,
     start_watchdog,
 )
+from tests.kit.runtime.joining import JOIN_ANSWER_S, answering_engines
 from tests.kit.runtime.rank_runtime import current_implementation, fn_reference, keep, rank_entry
 
 __all__ = ["RankCluster", "RankFailure", "REPO_ROOT", "keep"]
@@ -198,17 +199,15 @@ class RankCluster:
         pool = EnginePool(client, None, stack_dir, {}, 60, None)
         rc = cls(pool, token=None, watchdog=None, own_stack_dir=False)
         try:
-            eids = sorted(client.ids)
-            if not eids:
-                raise RuntimeError(f"cluster {cluster_id!r} (profile {profile!r}) has no engines")
+            eids = answering_engines(client, cluster_id)
             root = str(REPO_ROOT)  # so the engines can import the kit's rank runtime
             setup = (
                 f"__import__('sys').path.insert(0, {root!r}) "
                 f"if {root!r} not in __import__('sys').path else None; "
                 f"__import__('os').chdir({root!r})"
             )
-            client[eids].execute(setup, block=True)
-            running = client[eids[0]].apply_sync(current_implementation)
+            client[eids].execute(setup, block=False).get(timeout=JOIN_ANSWER_S)
+            running = client[eids[0]].apply_async(current_implementation).get(timeout=JOIN_ANSWER_S)
             if implementation is not None and implementation != running:
                 raise ValueError(
                     f"cluster {cluster_id!r} runs implementation {running or '(ours)'!r}, not {implementation!r}: "
@@ -446,3 +445,4 @@ class RankCluster:
             summary += f" [{notes}]"
         raised = {r: error_parts(exc) for r, exc in errors.items()}
         return RankFailure(summary, texts, elapsed, raised=raised, dead=set(dead), timed_out=timed_out, sites=sites)
+
