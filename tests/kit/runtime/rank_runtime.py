@@ -177,6 +177,22 @@ def _wait_until_every_rank_joined(backend: str) -> None:
     dist.barrier(**barrier_args(backend))
 
 
+LEAVE_WAIT_S = 10.0  # how long a rank that is done waits for its peers to be done before tearing down
+
+
+def _leave_together(store: Any, rank: int, world_size: int) -> None:
+    """Bounded rendezvous before the groups go: a rank whose fn returned early (its sub-meshes made)
+    would otherwise tear them down while a slower peer is still inside gloo's connectFullMesh for one of
+    them, and that peer fails with "Connection closed by peer" (seen once in CI, a 4-rank mesh slice).
+    A rank that raised says it left too; one that died outright is waited on no longer than
+    ``LEAVE_WAIT_S`` (the driver names it meanwhile)."""
+    try:
+        store.set(f"left/{rank}", "1")
+        store.wait([f"left/{peer}" for peer in range(world_size)], timedelta(seconds=LEAVE_WAIT_S))
+    except Exception:  # noqa: BLE001 - a peer gone or the store closed: tear down anyway
+        pass
+
+
 THREADS_ENV = "HPKIT_RANK_THREADS"  # torch threads per rank; unset: the cores shared by the ranks
 
 
@@ -244,15 +260,14 @@ def rank_entry(rank: int, spec: dict, fn_obj: Callable | None, args: tuple, kwar
     if dist.is_initialized():  # left over from an interrupted run
         dist.destroy_process_group()
     timeout = timedelta(seconds=spec["timeout"])
+    run_store = None
     try:
         bind(device_type, local_index)  # before the process group exists
         forget_dtensor_specs()  # a mesh equal to an earlier run's must not bring back its groups
         forget_sub_meshes()  # nor count as the sub-mesh an earlier run cut
         ns["_last_run"]["determinism"] = deterministic(device_type)
-        store = _store_client(spec, timeout)
-        dist.init_process_group(
-            backend, store=dist.PrefixStore(spec["prefix"], store), rank=rank, world_size=world_size, timeout=timeout
-        )
+        run_store = dist.PrefixStore(spec["prefix"], _store_client(spec, timeout))
+        dist.init_process_group(backend, store=run_store, rank=rank, world_size=world_size, timeout=timeout)
         _wait_until_every_rank_joined(backend)
         torch.manual_seed(0)
         result = fn(*args, **kwargs)
@@ -263,6 +278,8 @@ def rank_entry(rank: int, spec: dict, fn_obj: Callable | None, args: tuple, kwar
         ns["_last_traceback"] = traceback.format_exc()
         raise
     finally:
+        if run_store is not None:
+            _leave_together(run_store, rank, world_size)
         if dist.is_initialized():
             dist.destroy_process_group()
     ns["_last_result"] = result
