@@ -12,18 +12,7 @@ from torch.autograd import Variable
 
 from tests.kit.judging.crash import Site, crash_record, site_hooks
 from tests.kit.judging.trace import first_tensor
-
-
-class _Raises(torch.autograd.Function):
-    """Identity forward; its backward raises, as a kernel reading a freed storage does."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("storage of size 0")
+from tests.kit_tests._test_kit_faults import _RaisesInBackward
 
 
 class _Stores(nn.Module):
@@ -35,7 +24,7 @@ class _Stores(nn.Module):
         self.stored: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.stored = _Raises.apply(x * self.scale).sum()
+        self.stored = _RaisesInBackward.apply(x * self.scale).sum()
         return x * 2
 
 
@@ -87,8 +76,8 @@ def _record_of_backward(site: Site, model: _Model, loss_of: Any) -> dict[str, An
 def test_a_node_raising_in_backward_is_named_at_the_module_whose_forward_made_it_stored_terms_too() -> None:
     site, model, _ = _site_and_model()
     record = _record_of_backward(site, model, lambda m, out: out.sum() + m.side.stored)
-    assert (record["phase"], record["module"], record["tensor"]) == ("backward", "side", "_RaisesBackward")
-    assert record["error"] == "RuntimeError: storage of size 0"
+    assert (record["phase"], record["module"], record["tensor"]) == ("backward", "side", "_RaisesInBackwardBackward")
+    assert record["error"] == "RuntimeError: deliberate crash in layers.1's backward"
 
 
 def test_engine_code_raising_at_the_end_of_backward_is_named_at_the_params_it_handled() -> None:

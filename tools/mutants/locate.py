@@ -100,15 +100,8 @@ def _file_tokens(text: str) -> tuple[tuple[Token, ...], tuple[tuple[int, str], .
     return found, tuple(t.key for t in found)
 
 
-def find_spans(needle: list[Token], haystack: list[Token] | tuple[Token, ...]) -> list[tuple[int, int]]:
-    """Every place ``needle``'s tokens occur in a row in ``haystack``: (first token, last token) indices."""
-    if not needle:
-        return []
-    keys = [t.key for t in haystack]
-    return _spans(needle, keys)
-
-
-def _spans(needle: list[Token], keys: list[tuple[int, str]] | tuple[tuple[int, str], ...]) -> list[tuple[int, int]]:
+def _spans(needle: list[Token], keys: tuple[tuple[int, str], ...]) -> list[tuple[int, int]]:
+    """Every place ``needle``'s tokens occur in a row among a file's token ``keys``: (first, last) indices."""
     want = tuple(t.key for t in needle)
     first = want[0]
     return [
