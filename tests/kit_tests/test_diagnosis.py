@@ -307,3 +307,14 @@ def test_a_crash_under_a_reduction_collective_is_the_reduction_phase_and_ranks_m
     assert merged(found)["ranks"] == [0, 1]
     assert merged({0: record, 1: other})["ranks"] == [0]
     assert records_of({0: ("RuntimeError", "not ours")}) == {}
+
+
+def test_the_command_line_takes_a_case_or_an_l4_configuration_and_names_what_it_is_not(capsys) -> None:
+    """``python -m tests.kit.diagnose`` diagnoses a plan case or a saved L4 configuration (a regression's
+    id here), on as many ranks as it needs; anything else is refused in one line, exit status 2."""
+    from tests.kit.front.diagnose import _diagnosis_of, main
+
+    assert _diagnosis_of("30e947c334", 0)[1] == 2
+    assert _diagnosis_of("L3-01", 0)[1] == 4
+    assert main(["L9-99"]) == NOT_RUN
+    assert "'L9-99' is neither a case id (e.g. L3-01) nor a saved L4 configuration" in capsys.readouterr().err

@@ -8,6 +8,7 @@ The fixed, derandomised CI budget itself is the L4 notebook, which nbval runs in
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -17,10 +18,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.kit.explore import report as l4
 from tests.kit.explore.draws import configs
 from tests.kit.explore.runner import REGRESSIONS, explore, load, run_config
 from tests.kit.explore.space import Config
 from tests.kit.judging.surface import FEATURES
+from tests.kit.sweep.l4 import l4_line, l4_section
 
 ALL = frozenset(FEATURES)
 REGRESSION_FILES = sorted(REGRESSIONS.glob("*.json"))
@@ -209,7 +212,7 @@ def _replays_named_by(known_defects: dict) -> list[str]:
     return sorted({found for text in known_defects.values() for found in re.findall(r"\b[0-9a-f]{10}\b", text)})
 
 
-def test_fsdp2s_known_defects_still_fail_on_it_and_are_regressions_ours_passes():
+def test_fsdp2s_known_defects_still_fail_on_it_and_are_regressions_ours_passes(tmp_path):
     """Each replay torch FSDP2's known defects name is a committed regression (ours passes it:
     ``test_regressions_and_replays_pass``) and still fails on FSDP2: were torch to fix one, this says
     so, and its combination can be drawn for FSDP2 again."""
@@ -222,7 +225,29 @@ def test_fsdp2s_known_defects_still_fail_on_it_and_are_regressions_ours_passes()
     assert all((REGRESSIONS / f"{name}.json").exists() for name in replays), replays
     with RankCluster.start(max(c.world for c in configs_.values()), implementation="torch") as fsdp2:
         passed = [name for name, config in configs_.items() if run_config(fsdp2, config).passed]
+        raising = l4.run(fsdp2, 0, 0, 2, replay=LATE_WEIGHT_CRASH)
     assert not passed, f"torch FSDP2 passes its known defects' replays {passed}: drop them from KNOWN_DEFECTS"
+    _says_where_it_raised(raising, tmp_path)
+
+
+LATE_WEIGHT_CRASH = "30e947c334"  # FSDP2 raises on the late-registered module's weight, in backward
+
+
+def _says_where_it_raised(done: l4.L4Run, tmp_path: Path) -> None:
+    """A failing replay is diagnosed where L4's users meet it: the run, its results JSON, the sweep's
+    line and index section, and the notebook's failure cell (its picture marks the crash)."""
+    crash = done.diagnosis.crash if done.diagnosis is not None else None
+    assert crash is not None and (crash["module"], crash["tensor"]) == ("late", "weight"), done.diagnosis
+    assert crash["phase"] == "backward" and crash["ranks"] == [0, 1], crash
+    l4.write_results(done, str(tmp_path / "l4.json"))
+    line = json.loads((tmp_path / "l4.json").read_text())["diagnosis"]
+    assert line.startswith(f"L4 {LATE_WEIGHT_CRASH}: raised at step "), line
+    row = {"implementation": "torch", "status": "FAIL", "summary": "s", "seconds": 1.0, "page": "p", "notebook": None}
+    row["diagnosis"] = line
+    assert line in l4_line(row) and html.escape(line) in l4_section([row])
+    from tests.kit.front.diagnose import picture
+
+    assert picture(done.diagnosis).axes[0].get_title().endswith("raised at " + crash["step"] + ", backward")
 
 
 def test_the_explorer_finds_nothing_within_its_budget(cluster, tmp_path):

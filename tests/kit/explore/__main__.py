@@ -28,6 +28,7 @@ from tests.kit.explore.pairs import ship_covering
 from tests.kit.explore.runner import (
     ExampleResult,
     coverage_rows,
+    diagnose_failing,
     explore,
     features_of,
     known_defects_of,
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"replay {args.replay}: {'PASS' if result.passed else 'FAIL'} ({result.checks} checks)")
             if not result.passed:
                 print(result.failure)
+                diagnosis = diagnose_failing(cluster, result, args.replay)
+                print("" if diagnosis is None else f"diagnosis: {diagnosis.line()}")
             return 0 if result.passed else 1
         features = features_of(cluster) - set(_without(args))
         if args.features:  # only these (and fully_shard), where declared

@@ -14,6 +14,7 @@ from tests.kit.explore.runner import (
     ExampleResult,
     Exploration,
     coverage_rows,
+    diagnose_failing,
     explore,
     features_of,
     known_defects_of,
@@ -31,12 +32,18 @@ class L4Run:
     replayed: ExampleResult | None
     seed: int
     max_world: int
+    replay_diagnosis: Any = None  # a failing replay's diagnosis (an exploration holds its own)
 
     @property
     def passed(self) -> bool:
         if self.replayed is not None:
             return self.replayed.passed
         return self.exploration is not None and self.exploration.passed
+
+    @property
+    def diagnosis(self) -> Any:
+        """Where the minimal (or replayed) failing configuration first departed, or None."""
+        return self.replay_diagnosis if self.replayed is not None else getattr(self.exploration, "diagnosis", None)
 
 
 def run(
@@ -54,7 +61,8 @@ def run(
         result = run_config(cluster, load(replay))
         verdict = "PASS" if result.passed else "FAIL"
         print(f"replayed {replay}: {verdict} ({result.checks} checks, {result.seconds:.1f} s)")
-        return L4Run(None, result, seed, max_world)
+        diagnosis = None if result.passed else diagnose_failing(cluster, result, replay)
+        return L4Run(None, result, seed, max_world, diagnosis)
     seen = Counter()
 
     def on_example(result: ExampleResult, shrinking: bool) -> None:
@@ -131,6 +139,16 @@ def plot_coverage(done: L4Run) -> Any:
     return fig
 
 
+def show_failure(done: L4Run) -> None:
+    """The minimal failing configuration (``failure_text``) and, above it, its diagnosis: the line and
+    the picture (where it raised, hung or first diverged), as ``nb.diagnose`` shows a case's."""
+    if done.diagnosis is not None:
+        from tests.kit.front.diagnose import show
+
+        show(done.diagnosis)
+    print(failure_text(done))
+
+
 def failure_text(done: L4Run) -> str:
     """The minimal failing configuration as JSON and how to replay it, or that there is none."""
     result = done.replayed if done.replayed is not None else (done.exploration.minimal if done.exploration else None)
@@ -156,6 +174,7 @@ def write_results(done: L4Run, path: str) -> None:
         "pairs": found.pairs if found else {},
         "seconds": round(found.seconds, 1) if found else 0,
         "minimal": found.minimal.id if found and found.minimal else None,
+        "diagnosis": done.diagnosis.line() if done.diagnosis is not None else None,
     }
     Path(path).write_text(json.dumps(data, indent=1))
 

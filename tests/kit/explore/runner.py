@@ -165,10 +165,16 @@ class Exploration:
 
     def diagnose(self, cluster: RankCluster) -> None:
         """Diagnose the minimal failing configuration (once shrunk), unless ``HPKIT_DIAGNOSE=0``."""
-        from tests.kit.explore.diagnosis import diagnose_config
+        if self.minimal is not None:
+            self.diagnosis = diagnose_failing(cluster, self.minimal)
 
-        if self.minimal is not None and wanted():
-            self.diagnosis = diagnose_config(cluster, self.minimal.config, self.minimal.id)
+
+def diagnose_failing(cluster: RankCluster, result: ExampleResult, name: str = "") -> Any:
+    """A failing configuration's diagnosis (``explore.diagnosis``), named ``name`` (a replay's, as the
+    user wrote it) or its id; None with ``HPKIT_DIAGNOSE=0``."""
+    from tests.kit.explore.diagnosis import diagnose_config
+
+    return diagnose_config(cluster, result.config, name or result.id) if wanted() else None
 
 
 def explore(

@@ -12,6 +12,7 @@ import html
 import math
 import os
 import sys
+import textwrap
 from typing import Any
 
 from tests.kit.judging.divergence import NOT_RUN, Diagnosis, diagnose
@@ -69,7 +70,7 @@ def crash_figure(diagnosis: Diagnosis) -> Any:
     """Where a traced run raised: the phases of its step left to right, one row per rank, a red cross
     on each rank that raised, at its phase, labelled with the module and the error."""
     crash = diagnosis.crash
-    label = f"{crash['module'] or '(root)'} {crash['tensor']}: {crash['error'][:70]}"
+    label = f"{crash['module'] or '(root)'} {crash['tensor']}: {crash['error'][:100]}"
     places = {rank: (crash["phase"], label if rank == crash["ranks"][0] else "") for rank in crash["ranks"]}
     title = f"raised at {crash['step']}, {crash['phase']}"
     return _places_figure(diagnosis, places, title, marker="x")
@@ -106,8 +107,17 @@ def _places_figure(diagnosis: Diagnosis, places: dict[int, tuple[str, str]], tit
         column = phases.index(phase) if phase in phases else 0
         ax.plot(range(column + 1), [rank] * (column + 1), color="#4a7", linewidth=3)  # what ran
         ax.scatter([column], [rank], marker=marker, s=160, color="red", linewidths=3, zorder=5)
-        if label:
-            ax.annotate(label, (column, rank), textcoords="offset points", xytext=(8, 8), color="red", fontsize=8)
+        if label:  # wrapped, and written leftwards past the middle, so it stays inside the frame
+            right = column > len(phases) / 2
+            ax.annotate(
+                textwrap.fill(label, 48),
+                (column, rank),
+                textcoords="offset points",
+                xytext=(-8 if right else 8, 8),
+                ha="right" if right else "left",
+                color="red",
+                fontsize=8,
+            )
     ax.set_xticks(range(len(phases)))
     ax.set_xticklabels(phases)
     ax.set_yticks(ranks)
@@ -181,21 +191,21 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m tests.kit.diagnose",
         description="Trace a case against its baseline, tensor by tensor, and name its first divergence.",
     )
-    parser.add_argument("case", help="a case id, e.g. L3-01")
+    parser.add_argument("case", help="a case id, e.g. L3-01, or an L4 configuration's id (runs/l4/) or .json path")
     parser.add_argument("--implementation", default="", help="a spec (docs/judging.md#specs); '' is ours")
     parser.add_argument("--json", default="", metavar="PATH", help="write the diagnosis as JSON here")
     parser.add_argument("--figure", default="", metavar="PATH", help="write the picture here (PNG or SVG)")
     parser.add_argument("--engines", type=int, default=4, help="ranks of the cluster (default 4)")
     parser.add_argument("--timeout", type=float, default=0, help="bound of each run (default: the case's own)")
     args = parser.parse_args(argv)
-    from tests.kit.judging.case import case_by_id, load_plan_cases
+    from tests.kit.judging.case import load_plan_cases
     from tests.kit.judging.surface import parse_spec
 
     load_plan_cases()
     try:
-        spec = case_by_id(args.case)
-        if spec.world_size > args.engines:
-            raise ValueError(f"{spec.id} needs {spec.world_size} ranks; --engines is {args.engines}")
+        run, world = _diagnosis_of(args.case, args.timeout)
+        if world > args.engines:
+            raise ValueError(f"{args.case} needs {world} ranks; --engines is {args.engines}")
         implementation = str(parse_spec(args.implementation)) if args.implementation else ""
         os.environ.setdefault("IPP_NONINTERACTIVE", "1")
         cluster = RankCluster.start(args.engines, implementation=implementation or None)
@@ -203,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"diagnose: {exc}", file=sys.stderr)
         return NOT_RUN
     try:
-        diagnosis = diagnose(cluster, spec.id, timeout=args.timeout or None)
+        diagnosis = run(cluster)
     finally:
         cluster.stop()
     print(diagnosis.line())
@@ -216,6 +226,24 @@ def main(argv: list[str] | None = None) -> int:
     if drawn is not None:
         drawn.savefig(args.figure, dpi=110)
     return diagnosis.exit_status
+
+
+def _diagnosis_of(name: str, timeout: float) -> tuple[Any, int]:
+    """How to diagnose ``name`` on a cluster, and the ranks it needs: a plan case by its id, else a
+    saved L4 configuration (its id or path); KeyError naming both when it is neither."""
+    from tests.kit.explore.diagnosis import diagnose_config
+    from tests.kit.explore.runner import load
+    from tests.kit.judging.case import case_by_id
+
+    try:
+        spec = case_by_id(name)
+    except KeyError:
+        try:
+            config = load(name)
+        except (FileNotFoundError, ValueError, KeyError):
+            raise KeyError(f"{name!r} is neither a case id (e.g. L3-01) nor a saved L4 configuration") from None
+        return (lambda cluster: diagnose_config(cluster, config, name, timeout or 180.0)), max(2, config.world)
+    return (lambda cluster: diagnose(cluster, spec.id, timeout=timeout or None)), spec.world_size
 
 
 __all__ = [

@@ -5,6 +5,7 @@ index."""
 
 from __future__ import annotations
 
+import html
 import json
 import time
 from pathlib import Path
@@ -54,6 +55,7 @@ def run_l4(
         "passed": passed,
         "summary": summary.get("summary") or error or "the notebook did not finish",
         "minimal": summary.get("minimal"),
+        "diagnosis": summary.get("diagnosis"),
         "seconds": round(time.monotonic() - started, 1),
         "notebook": notebook.relative_to(run_dir).as_posix() if notebook.exists() else None,
         "page": None,
@@ -62,7 +64,8 @@ def run_l4(
         banner = (
             "<div id='hpkit-banner' style='font-family:sans-serif;margin:12px 24px;padding:10px 14px;"
             f"border:1px solid #d0d7de;border-radius:6px;background:#f6f8fa'>L4 generalization "
-            f"{status_badge(row['status'])}<div style='font-size:13px'>{row['summary']}</div></div>"
+            f"{status_badge(row['status'])}<div style='font-size:13px'>{row['summary']}</div>"
+            f"{_diagnosis_html(row)}</div>"
         )
         render_notebook(notebook, page, banner)
         row["page"] = page.relative_to(run_dir).as_posix()
@@ -72,7 +75,8 @@ def run_l4(
 def l4_line(row: dict[str, Any]) -> str:
     """The sweep's progress line for one implementation's L4 run (beside ``case_line``)."""
     name = f"[{row['implementation']}] " if row["implementation"] else ""
-    return f"{row['status']:<11} {name}L4 generalization  {row['summary']}"
+    where = f"\n            diagnosis: {row['diagnosis']}" if row.get("diagnosis") else ""
+    return f"{row['status']:<11} {name}L4 generalization  {row['summary']}{where}"
 
 
 def l4_section(rows: list[dict[str, Any]]) -> str:
@@ -86,6 +90,14 @@ def l4_section(rows: list[dict[str, Any]]) -> str:
             f"<a href='{row[key]}'>{text}</a>" for key, text in (("page", "page"), ("notebook", "notebook")) if row[key]
         )
         lines.append(
-            f"<li>{label}{status_badge(row['status'])} {row['summary']} ({row['seconds']:.0f} s; {links})</li>"
+            f"<li>{label}{status_badge(row['status'])} {row['summary']} ({row['seconds']:.0f} s; {links})"
+            f"{_diagnosis_html(row)}</li>"
         )
     return "<h2>L4 generalization</h2><ul id='l4'>" + "".join(lines) + "</ul>"
+
+
+def _diagnosis_html(row: dict[str, Any]) -> str:
+    """The minimal failing configuration's diagnosis line (where it raised or first diverged), or nothing."""
+    if not row.get("diagnosis"):
+        return ""
+    return f"<div style='font-size:13px;font-family:monospace'>diagnosis: {html.escape(row['diagnosis'])}</div>"
