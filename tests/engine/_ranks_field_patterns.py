@@ -350,3 +350,58 @@ def frozen_through_first_forward(bf16: bool, gathered: bool) -> None:
     square_mean(model, x).backward()
     frozen = [name for name, param in model.named_parameters() if name.startswith("pre.") and param.grad is not None]
     checks.equal("params frozen after training: no grad", str(frozen), str([]))
+
+
+class MultiTokenHead(nn.Module):
+    """A multi-token-prediction block that calls the model's shared head inside its own forward and keeps
+    the auxiliary logits on itself (``aux``), read by the loss after the head runs again outside it."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        object.__setattr__(self, "shared_head", head)  # the model's head, called here, registered there
+        self.aux: torch.Tensor | None = None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        y = self.lin(h)
+        self.aux = self.shared_head(y)
+        return y
+
+
+class Tail(nn.Module):
+    """body, then norm, the multi-token block (which calls the head) and the head again: pytorch#183702's
+    model, whose loss adds the block's stored logits to the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(WIDTH, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, WIDTH)
+        self.mtp = MultiTokenHead(self.head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.body(x))
+        y = self.mtp(h)
+        return self.head(h) + y
+
+
+def _tail_loss(model: Any, x: torch.Tensor) -> torch.Tensor:
+    """The square mean of the output plus that of the logits the multi-token block stored."""
+    out = model(x)
+    inner = model.module if hasattr(model, "module") else model
+    return out.pow(2).mean() + inner.mtp.aux.pow(2).mean()
+
+
+def list_member_called_again(reshard: Any) -> None:
+    """``fully_shard([norm, mtp, head])`` where ``mtp`` calls ``head`` inside its forward and stores the
+    logits, and ``head`` runs again outside (pytorch#183702: FSDP2's one group frees the head's params
+    under autograd, storage of size 0): ``STEPS`` Adam steps = DDP."""
+    checks = StrictChecks("FSDP 1D fp32")
+    torch.manual_seed(0)
+    model = Tail()
+    reference = ddp_of(model)
+    impl.fully_shard(model.body, mesh=checks.mesh, reshard_after_forward=reshard)
+    impl.fully_shard([model.norm, model.mtp, model.head], mesh=checks.mesh, reshard_after_forward=reshard)
+    impl.fully_shard(model, mesh=checks.mesh, reshard_after_forward=reshard)
+    batches = rank_batches(checks.rank, (4, WIDTH), steps=STEPS)
+    train_against(checks, model, reference, batches, _tail_loss, checks.tol, label=f"reshard={reshard}")

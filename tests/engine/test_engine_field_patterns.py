@@ -75,3 +75,10 @@ def test_param_registered_again(cluster, built):
 def test_frozen_through_the_first_forward(cluster, bf16, gathered):
     """All params frozen through lazy init, then unfrozen (pytorch#186998), also while gathered: = the baseline."""
     cluster.run(ranks.frozen_through_first_forward, 2, bf16=bf16, gathered=gathered)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_a_list_calls_module_called_again(cluster, reshard):
+    """A list call's module called inside another's forward and again outside, its first output stored
+    and read by the loss (pytorch#183702): = DDP."""
+    cluster.run(ranks.list_member_called_again, 2, reshard=reshard)

@@ -14,7 +14,17 @@ import torch
 from torch import nn
 
 import tests.kit_tests._test_kit_faults  # noqa: F401 - registers the KIT cases
-from tests.kit.judging.divergence import AGREES, DIVERGES, NOT_RUN, Diagnosis, Tensor, diagnose, merge, threshold
+from tests.kit.judging.divergence import (
+    AGREES,
+    DIVERGES,
+    NOT_RUN,
+    Diagnosis,
+    Tensor,
+    diagnose,
+    diagnose_runs,
+    merge,
+    threshold,
+)
 from tests.kit.judging.tolerances import DIAGNOSIS
 from tests.kit.judging.trace import Key, Tracer, aligned, relative_error, tracing
 from tests.kit.judging.verdict import judge_case
@@ -70,6 +80,27 @@ def test_no_divergence_and_not_run_have_their_own_exit_status() -> None:
     assert Diagnosis("X", "", reason="it raised").exit_status == NOT_RUN
     failing = Diagnosis("X", "", status="FAIL", tensors=[agreeing], first_failing_check="a check (rank 0)")
     assert "fails outside them" in failing.line() and failing.first_divergence() is None
+
+
+def test_a_check_failing_before_anything_is_traced_is_located_there_not_undiagnosed() -> None:
+    """An L4 configuration whose layout check fails after sharding stops before training: the diagnosis
+    names that check (exit status 1), with no noise run; a passing run that traced nothing is still
+    not diagnosed (exit status 2)."""
+    check = {"name": "after sharding: bytes kept", "rank": 0, "measured": 8.0, "reference": 0.0, "tol": None}
+    check |= {"kind": "true", "extra": None}
+    runs: list[str] = []
+
+    def run(mode: str, passed: bool) -> list[dict]:
+        runs.append(mode)
+        return [{"result": {"checks": [check | {"passed": passed}]}, "rows": [], "structure": None}]
+
+    failed = diagnose_runs(Diagnosis("L4 x", ""), lambda mode: run(mode, False))
+    assert failed.exit_status == DIVERGES and runs == ["trace"], failed.line()
+    assert failed.line() == (
+        "L4 x: failed before any traced tensor (the set-up's checks): first at after sharding: bytes kept (rank 0)"
+    )
+    passed = diagnose_runs(Diagnosis("L4 x", ""), lambda mode: run(mode, True))
+    assert passed.exit_status == NOT_RUN and "trains no model" in passed.line()
 
 
 def _train_one_step(model: nn.Module, reference: nn.Module, tracer: Tracer, x: torch.Tensor) -> None:

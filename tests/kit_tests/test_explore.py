@@ -301,3 +301,20 @@ def test_both_drivers_check_their_world_sizes_alike():
     for driver in (explore, explore_all):
         with pytest.raises(ValueError, match="min_world must be in 1..max_world"):
             driver(_PassingCluster(), ALL, examples=1, max_world=2, min_world=3, cover=False)
+
+
+def test_a_failure_only_checked_untraced_is_still_named_by_the_diagnosis(monkeypatch):
+    """Where the traced run passes (the lifetime checks stand down while the tracer's records hold
+    tensors), the diagnosis of a failing configuration still names what failed untraced."""
+    from tests.kit.explore import diagnosis as l4_diagnosis
+    from tests.kit.explore.runner import ExampleResult, diagnose_failing
+    from tests.kit.judging.divergence import Diagnosis
+
+    monkeypatch.setattr(l4_diagnosis, "diagnose_config", lambda *a, **k: Diagnosis("L4 x", "", status="PASS"))
+    failure = "rank 0: step 0 after backward: bytes still held: 16.0 vs 0.0 (error None, tol None); rank 1: ..."
+    result = ExampleResult(load(REGRESSION_FILES[0]), passed=False, failure=failure)
+    diagnosis = diagnose_failing(None, result, "x")
+    assert diagnosis.line().endswith(
+        "fails outside them, first at step 0 after backward: bytes still held: 16.0 vs 0.0 "
+        "(checked only where nothing is traced)"
+    ), diagnosis.line()

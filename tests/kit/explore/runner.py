@@ -174,7 +174,14 @@ def diagnose_failing(cluster: RankCluster, result: ExampleResult, name: str = ""
     user wrote it) or its id; None with ``HPKIT_DIAGNOSE=0``."""
     from tests.kit.explore.diagnosis import diagnose_config
 
-    return diagnose_config(cluster, result.config, name or result.id) if wanted() else None
+    if not wanted():
+        return None
+    diagnosis = diagnose_config(cluster, result.config, name or result.id)
+    if diagnosis.status == "PASS":  # what failed is checked only untraced (a storage the tracer's records hold)
+        diagnosis.status = "FAIL"
+        first = re.sub(r"^rank \d+: ", "", result.failure.split("; rank ")[0].split(" (error ")[0])
+        diagnosis.first_failing_check = f"{first} (checked only where nothing is traced)"
+    return diagnosis
 
 
 def explore(

@@ -149,6 +149,7 @@ class Diagnosis:
     crash: dict[str, Any] | None = None  # where the traced run raised (``tests.kit.judging.crash.merged``)
     structure: dict[str, Any] | None = None  # params one side alone has (``crash.merged_structure``)
     hang: dict[int, dict[str, Any]] | None = None  # rank -> where its traced run was when found stuck
+    before_training: bool = False  # a check failed and nothing was traced (L4: the layout after sharding)
 
     @property
     def first(self) -> Tensor | None:
@@ -160,6 +161,7 @@ class Diagnosis:
         if self.reason:
             return NOT_RUN
         located = self.first is not None or self.crash is not None or self.structure or self.hang
+        located = located or self.before_training
         return DIVERGES if located else AGREES
 
     def first_divergence(self) -> dict[str, Any] | None:
@@ -194,6 +196,9 @@ class Diagnosis:
             return self._crash_line()
         if self.hang:
             return self._hang_line()
+        if self.before_training:
+            before = "failed before any traced tensor (the set-up's checks)"
+            return f"{self.case}: {before}: first at {self.first_failing_check}"
         first = self._first_tensor()
         if first is None:
             compared = sum(1 for t in self.tensors if any(e is not None for e in t.errors.values()))
@@ -372,8 +377,10 @@ def diagnose_runs(
         diagnosis.structure = merged_structure([r.get("structure") for r in traced])
         checks = [c for r in traced for c in r["result"]["checks"]]
         diagnosis.compared_failing = any(not c["passed"] and c["kind"] == "close" and not c["extra"] for c in checks)
-        diagnosis.reason = _why_not_diagnosed(diagnosis.status, traced, failing_only and not diagnosis.structure)
-        if not diagnosis.reason:
+        diagnosis.before_training = diagnosis.status == "FAIL" and not _traced_any(traced)
+        if not diagnosis.before_training:
+            diagnosis.reason = _why_not_diagnosed(diagnosis.status, traced, failing_only and not diagnosis.structure)
+        if not diagnosis.reason and not diagnosis.before_training:
             noise = run("noise")
             diagnosis.tensors = merge([r["rows"] for r in traced], [r["rows"] for r in noise])
     except RankFailure as failure:
@@ -390,7 +397,7 @@ def _why_not_diagnosed(status: str, traced: list[dict[str, Any]], failing_only: 
     """Why the trace run ends the diagnosis ('' where the noise run follows)."""
     if status == "UNSUPPORTED":
         return "the implementation does not support the case"
-    if not any(row["error"] is not None for result in traced for row in result["rows"]):
+    if not _traced_any(traced):
         return (
             "the case trains no model beside a baseline through the kit's training loops "
             "(tests.kit.workloads.training, or tests.kit.judging.trace.traced): nothing to compare tensor by tensor"
@@ -398,3 +405,8 @@ def _why_not_diagnosed(status: str, traced: list[dict[str, Any]], failing_only: 
     if failing_only and status == "PASS":
         return "the case passed; asked to diagnose failing cases only"
     return ""
+
+
+def _traced_any(traced: list[dict[str, Any]]) -> bool:
+    """Whether the trace run compared any tensor with its baseline (on any rank)."""
+    return any(row["error"] is not None for result in traced for row in result["rows"])
