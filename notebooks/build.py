@@ -214,7 +214,7 @@ def build_l4() -> nbformat.NotebookNode:
         _code("from IPython.display import HTML\n\nHTML(l4.coverage_html(done))", "nbval-ignore-output"),
         _code("l4.plot_coverage(done);", "nbval-ignore-output"),
         new_markdown_cell("## The minimal failing configuration"),
-        _code("l4.show_failure(done)", "nbval-ignore-output"),
+        _code("nb.show_l4_failure(done)", "nbval-ignore-output"),
         _code("l4.write_results(done, results_path)\nl4.raise_if_failed(done)"),
     ]
     notebook = new_notebook(cells=cells)

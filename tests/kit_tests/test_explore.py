@@ -129,8 +129,9 @@ def test_a_failure_is_shrunk_to_a_minimal_configuration_and_saved(tmp_path):
     saved = json.loads(found.saved.read_text())
     assert Config.from_json(saved["config"]) == found.minimal.config
     assert load(found.saved) == found.minimal.config
-    # once shrunk it is diagnosed: here, where nothing is traced, it says why not
-    assert "not diagnosed" in found.diagnosis.line() and "diagnosis: L4" in found.summary()
+    # once shrunk it is diagnosed: here, where nothing is traced, it names the failing check
+    line = found.diagnosis.line()
+    assert "failed before any traced tensor" in line and "diagnosis: L4" in found.summary(), line
 
 
 def test_the_covering_phase_holds_every_pair_of_features_its_pool_holds(tmp_path, monkeypatch):

@@ -139,16 +139,6 @@ def plot_coverage(done: L4Run) -> Any:
     return fig
 
 
-def show_failure(done: L4Run) -> None:
-    """The minimal failing configuration (``failure_text``) and, above it, its diagnosis: the line and
-    the picture (where it raised, hung or first diverged), as ``nb.diagnose`` shows a case's."""
-    if done.diagnosis is not None:
-        from tests.kit.front.diagnose import show
-
-        show(done.diagnosis)
-    print(failure_text(done))
-
-
 def failure_text(done: L4Run) -> str:
     """The minimal failing configuration as JSON and how to replay it, or that there is none."""
     result = done.replayed if done.replayed is not None else (done.exploration.minimal if done.exploration else None)

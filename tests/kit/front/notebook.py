@@ -236,6 +236,17 @@ def show_diagnoses(verdicts: list[Verdict]) -> None:
             show(verdict.diagnosis)
 
 
+def show_l4_failure(done: Any) -> None:
+    """The L4 notebook's failing configuration (``explore.report.failure_text``) and, above it, its
+    diagnosis: the line and the picture (where it raised, hung or first diverged), as for a case."""
+    from tests.kit.explore.report import failure_text
+    from tests.kit.front.diagnose import show
+
+    if done.diagnosis is not None:
+        show(done.diagnosis)
+    print(failure_text(done))
+
+
 def print_verdicts(verdicts: list[Verdict]) -> None:
     for verdict in verdicts:
         print(verdict_text(verdict))

@@ -180,15 +180,17 @@ def _wait_until_every_rank_joined(backend: str) -> None:
 LEAVE_WAIT_S = 10.0  # how long a rank that is done waits for its peers to be done before tearing down
 
 
-def _leave_together(store: Any, rank: int, world_size: int) -> None:
+def _leave_together(store: Any, rank: int, world_size: int, wait: bool = True) -> None:
     """Bounded rendezvous before the groups go: a rank whose fn returned early (its sub-meshes made)
     would otherwise tear them down while a slower peer is still inside gloo's connectFullMesh for one of
     them, and that peer fails with "Connection closed by peer" (seen once in CI, a 4-rank mesh slice).
-    A rank that raised says it left too; one that died outright is waited on no longer than
-    ``LEAVE_WAIT_S`` (the driver names it meanwhile)."""
+    A rank that raised says it left and does not wait (``wait=False``): its error must reach the driver
+    at once, which then stops the peers still waiting on it in a collective; one that died outright is
+    waited on no longer than ``LEAVE_WAIT_S`` (the driver names it meanwhile)."""
     try:
         store.set(f"left/{rank}", "1")
-        store.wait([f"left/{peer}" for peer in range(world_size)], timedelta(seconds=LEAVE_WAIT_S))
+        if wait:
+            store.wait([f"left/{peer}" for peer in range(world_size)], timedelta(seconds=LEAVE_WAIT_S))
     except Exception:  # noqa: BLE001 - a peer gone or the store closed: tear down anyway
         pass
 
@@ -261,6 +263,7 @@ def rank_entry(rank: int, spec: dict, fn_obj: Callable | None, args: tuple, kwar
         dist.destroy_process_group()
     timeout = timedelta(seconds=spec["timeout"])
     run_store = None
+    raised = False
     try:
         bind(device_type, local_index)  # before the process group exists
         forget_dtensor_specs()  # a mesh equal to an earlier run's must not bring back its groups
@@ -276,10 +279,11 @@ def rank_entry(rank: int, spec: dict, fn_obj: Callable | None, args: tuple, kwar
         _ENGINE_STATE.get("stores", {}).pop(_store_key(spec), None)
         ns["_last_error"] = exc
         ns["_last_traceback"] = traceback.format_exc()
+        raised = True
         raise
     finally:
         if run_store is not None:
-            _leave_together(run_store, rank, world_size)
+            _leave_together(run_store, rank, world_size, wait=not raised)
         if dist.is_initialized():
             dist.destroy_process_group()
     ns["_last_result"] = result
