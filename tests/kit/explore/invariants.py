@@ -120,6 +120,12 @@ class Invariants:
         """Whether a block runs under activation checkpointing (a recompute may gather again)."""
         return checkpointed(self.config.body)
 
+    @property
+    def regathers(self) -> bool:
+        """Whether a backward may gather a module twice: a recompute, where the implementation says its
+        recompute may reshard (``Implementation.recompute_gathers_again``; ours keeps it gathered)."""
+        return self.recompute and impl.recompute_gathers_again
+
     def _resharded_after_forward(self) -> list[bool | int]:
         """Each call's effective reshard_after_forward: None reshards all but the root; an int ``k``
         stays an int where it keeps rows of ``k`` ranks (1 is False, the shard group's size True)."""

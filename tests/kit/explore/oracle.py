@@ -394,7 +394,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
             self._backward_rec = None
         mark("reduction")  # what backward left: the grads, as reduced
         idle = self._idle_units()
-        self._check_gathers(f"{where} backward", backward, self.gathers.backward(self.reached, self.recompute, idle))
+        self._check_gathers(f"{where} backward", backward, self.gathers.backward(self.reached, self.regathers, idle))
         self._check_backward_order(where, backward, ordered)
         if self._times_backward():
             self._check_backward_starts(where)

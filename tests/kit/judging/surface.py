@@ -174,6 +174,10 @@ class Implementation:
     # process-global state that does not survive the kit's new process group per run: L4 then runs
     # every configuration on fresh engines
     fresh_engines: bool = False
+    # whether a forward recomputed under activation checkpointing may gather its group again in that
+    # backward (torch FSDP2: a recompute that runs before the module's pre-backward hook reshards after
+    # it, as a first forward does): L4 then allows one more gather per module; False holds it to one
+    recompute_gathers_again: bool = True
     fully_shard: Any
     register_fsdp_forward_method: Any  # (module, method_name): another method runs like forward
     share_comm_ctx: Any  # (modules): FSDP2's stream sharing between roots

@@ -15,6 +15,7 @@ class Native(Implementation):
     name = "native"
     Shard = Shard
     Replicate = Replicate
+    recompute_gathers_again = False  # a recompute inside backward leaves its group gathered (no reshard)
 
     def __init__(self, spec: Spec) -> None:
         package = import_package("hyper_parallel", spec.path)
