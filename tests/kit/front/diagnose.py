@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 def _diagnosis_of(name: str, timeout: float) -> tuple[Any, int]:
     """How to diagnose ``name`` on a cluster, and the ranks it needs: a plan case by its id, else a
     saved L4 configuration (its id or path); KeyError naming both when it is neither."""
-    from tests.kit.explore.diagnosis import diagnose_config
+    from tests.kit.explore.diagnosis import TIMEOUT_S, diagnose_config
     from tests.kit.explore.runner import load
     from tests.kit.judging.case import case_by_id
 
@@ -242,7 +242,7 @@ def _diagnosis_of(name: str, timeout: float) -> tuple[Any, int]:
             config = load(name)
         except (FileNotFoundError, ValueError, KeyError):
             raise KeyError(f"{name!r} is neither a case id (e.g. L3-01) nor a saved L4 configuration") from None
-        return (lambda cluster: diagnose_config(cluster, config, name, timeout or 180.0)), max(2, config.world)
+        return (lambda cluster: diagnose_config(cluster, config, name, timeout or TIMEOUT_S)), max(2, config.world)
     return (lambda cluster: diagnose(cluster, spec.id, timeout=timeout or None)), spec.world_size
 
 
