@@ -378,11 +378,11 @@ def diagnose_runs(
         checks = [c for r in traced for c in r["result"]["checks"]]
         diagnosis.compared_failing = any(not c["passed"] and c["kind"] == "close" and not c["extra"] for c in checks)
         diagnosis.before_training = diagnosis.status == "FAIL" and not _traced_any(traced)
-        if not diagnosis.before_training:
+        if not diagnosis.before_training:  # else located by its failing check: no noise to measure
             diagnosis.reason = _why_not_diagnosed(diagnosis.status, traced, failing_only and not diagnosis.structure)
-        if not diagnosis.reason and not diagnosis.before_training:
-            noise = run("noise")
-            diagnosis.tensors = merge([r["rows"] for r in traced], [r["rows"] for r in noise])
+            if not diagnosis.reason:
+                noise = run("noise")
+                diagnosis.tensors = merge([r["rows"] for r in traced], [r["rows"] for r in noise])
     except RankFailure as failure:
         diagnosis.crash = merged(records_of(failure.raised))
         diagnosis.hang = failure.sites if diagnosis.crash is None and failure.timed_out else None
