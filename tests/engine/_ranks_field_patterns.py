@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tests.kit.judging.checks import StrictChecks, raised
 from tests.kit.judging.reference import SameDtypeReference, ddp_of, full
@@ -74,6 +75,15 @@ class AddsOnly(StoresIntermediate):
         return self.cached + 1
 
 
+class StoresUnderCheckpoint(StoresIntermediate):
+    """``StoresIntermediate``'s forward under a (not re-entrant) activation checkpoint, as a block wrapped
+    by ``checkpoint_wrapper`` and then sharded: the loss reads the stored tensor first, so autograd
+    recomputes the block there, before any hook on the module's output has gathered its group."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(super().forward, x, use_reentrant=False)
+
+
 class Wraps(nn.Module):
     """A root with a param of its own before ``body``, which returns what ``forward`` returns."""
 
@@ -105,16 +115,18 @@ def _policy(bf16: bool) -> Any:
 
 def stored_intermediate_loss(configs: list[tuple[str, Any, bool, bool]]) -> None:
     """Each (where, reshard_after_forward, bf16, input needs grad): the module storing the intermediate
-    is the root, a child of a root, or a root whose forward saves no param (``adds only``); ``STEPS``
+    is the root, a child of a root (its forward under an activation checkpoint: ``checkpointed child``),
+    or a root whose forward saves no param (``adds only``); ``STEPS``
     Adam steps of a loss read from the stored tensor = the baseline (DDP, or the same-dtype one under
     bf16 / fp32)."""
     for where, reshard, bf16, input_grad in configs:
         checks = StrictChecks("FSDP 1D bf16" if bf16 else "FSDP 1D fp32")
         torch.manual_seed(0)
-        model = {"root": StoresIntermediate, "adds only": AddsOnly}.get(where, lambda: Wraps(StoresIntermediate()))()
+        models = {"root": StoresIntermediate, "adds only": AddsOnly, "child": lambda: Wraps(StoresIntermediate())}
+        model = models.get(where, lambda: Wraps(StoresUnderCheckpoint()))()
         reference = _baseline(model, bf16)
         options = dict(mesh=checks.mesh, mp_policy=_policy(bf16))
-        if where != "child":
+        if not where.endswith("child"):
             impl.fully_shard(model, reshard_after_forward=reshard, **options)
         else:
             impl.fully_shard(model.body, reshard_after_forward=reshard, **options)
@@ -124,7 +136,8 @@ def stored_intermediate_loss(configs: list[tuple[str, Any, bool, bool]]) -> None
         _trains_or_fails_as_documented(
             checks,
             label,
-            needs_gather=bool(reshard) and reshard != 1 and where != "adds only",
+            # a recompute gathers its group by a hook of the module's own (any release)
+            needs_gather=bool(reshard) and reshard != 1 and where not in ("adds only", "checkpointed child"),
             train=functools.partial(
                 train_against, checks, model, reference, batches, _stored_loss, checks.tol, label=label
             ),

@@ -23,6 +23,8 @@ STORED = [
     ("child", True, True, True),
     ("child", True, False, False),
     ("child", False, False, True),
+    ("checkpointed child", True, False, True),
+    ("checkpointed child", True, True, False),
 ]
 
 

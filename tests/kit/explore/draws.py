@@ -13,7 +13,7 @@ from typing import Any
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from tests.kit.explore.grammar import build, names, tied_halves
+from tests.kit.explore.grammar import AGAIN, build, names, tied_halves
 from tests.kit.explore.space import BLOCKS, LEAVES, PRECISIONS, Config, Group, Layer, Node, Precision, Step, shard_size
 
 
@@ -154,7 +154,7 @@ def patterns(draw: Any, config: Config, features: frozenset[str]) -> None:
     """FSDP2 users' patterns (``tests.kit.explore.patterns``), each where declared: every param frozen
     through the first forward; a head run only on each step's last micro-batch (``groups`` decides
     whether it is in a call of its own); views modified in place; intermediates the loss reads; the
-    optimizer built after a first forward."""
+    optimizer built after a first forward; a block calling the head, which runs again after it."""
     if "freeze_through_lazy_init" in features and one_in(draw, 5):
         config.freeze_first = True
     if {"first_grad_on_synced_microbatch", "unit_skips_nosync_microbatches"} & features and one_in(draw, 4):
@@ -162,6 +162,7 @@ def patterns(draw: Any, config: Config, features: frozenset[str]) -> None:
     config.inplace_view = "inplace_on_output_view" in features and one_in(draw, 5)
     config.stored_loss = "stored_intermediate_loss" in features and one_in(draw, 5)
     config.optimizer_late = "optimizer_after_forward" in features and one_in(draw, 6)
+    config.calls_again = "list_module_called_again" in features and one_in(draw, 5)
 
 
 @st.composite
@@ -176,7 +177,7 @@ def groups(
     """The fully_shard calls: a subset of the modules, bottom-up, then the root; list calls of
     unrelated modules where list input is declared; at times a call of its own on the first half of
     a tied pair (``halves``) ignoring the shared weight, which the calls above reach too."""
-    candidates = sorted(path for path in modules if path)
+    candidates = sorted(path for path in modules if path and path not in AGAIN)
     if config.late and "unit_skips_nosync_microbatches" not in features:
         candidates.remove("late")  # the late head stays in the root's call
     chosen = draw(st.lists(st.sampled_from(candidates), unique=True, max_size=4)) if candidates else []
@@ -199,6 +200,9 @@ def groups(
             calls[-1].append(path)
         else:
             calls.append([path])
+    if config.calls_again:  # the block and the head it calls: one list call (3 in 4), calls of their own, or the root's
+        how = draw(st.sampled_from(("list", "list", "list", "own", "root")))
+        calls += [list(AGAIN)] if how == "list" else [[path] for path in AGAIN] if how == "own" else []
     calls.append([""])
     managed: set[str] = set()
     out = []

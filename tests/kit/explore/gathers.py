@@ -9,7 +9,9 @@ A unit is in one of four states: sharded (a gather of ``sizes[unit]`` elements b
 unsharded (nothing to gather), kept in rows of ``k`` ranks after forward by an int
 ``reshard_after_forward`` (a gather within the row, ``rows[unit]`` = (least, most) elements: the
 row's share of the unpadded param, or of the shard group's padded one), or unknown (any of those;
-``unknown[unit]`` is the most a gather of it may take).
+``unknown[unit]`` is the most a gather of it may take). A loose unit is unknown for good: a module
+called more than once in a forward (``loose[unit]``: the most one forward, or one backward, may gather
+of it; a list call's modules may be one group, gathered together: torch FSDP2's list).
 """
 
 from __future__ import annotations
@@ -35,9 +37,12 @@ class GatherLedger:
     rows: dict[Unit, Bounds] = field(default_factory=dict)
     skip_backward: set[Unit] = field(default_factory=set)
     unknown: dict[Unit, int] = field(default_factory=dict)
+    loose: dict[Unit, int] = field(default_factory=dict)
 
     def _gather(self, unit: Unit) -> Bounds:
         """(least, most) elements bringing ``unit`` back from its state now."""
+        if unit in self.loose:
+            return 0, self.loose[unit]
         if unit in self.unsharded:
             return 0, 0
         if unit in self.rows:
@@ -52,7 +57,7 @@ class GatherLedger:
 
     def is_sharded(self, unit: Unit) -> bool:
         """Whether ``unit`` is known to be sharded now (not unsharded, not in rows, not unknown)."""
-        return unit not in self.unsharded and unit not in self.rows and unit not in self.unknown
+        return not ({unit} & (self.unsharded | self.rows.keys() | self.unknown.keys() | self.loose.keys()))
 
     def forward(self) -> Bounds:
         """(least, most) elements the coming forward all-gathers: every unit not unsharded, once."""

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.kit.explore.space import Config, Layer, Node
 
+AGAIN = ("mtp", "head")  # ``list_module_called_again``'s modules: the block, then the head it calls
 INIT = 0.5  # weights ~ U(-INIT / sqrt(fan_in), ...): small grads, so low-precision rounding stays small
 
 
@@ -84,6 +85,23 @@ class Leaf(nn.Module):
         return out.view(out.shape) if self.view_out else out
 
 
+class CallsHead(Leaf):
+    """A multi-token block (``list_module_called_again``): a Linear leaf that calls the model's head
+    (held, not registered: the head is the model's child) on its own output and stores the mean of
+    what the head returned for the loss, as a multi-token-prediction block keeps its logits."""
+
+    def __init__(self, width: int, head: Leaf) -> None:
+        super().__init__(Layer("linear", width), width)
+        object.__setattr__(self, "shared_head", head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.stored = None  # a forward stores afresh (the leaf's own term too, where it stores one)
+        out = super().forward(x)
+        logits = self.shared_head(out).float().mean()
+        self.stored = logits if self.stored is None else self.stored + logits
+        return out
+
+
 class ListBlock(nn.Module):
     """Children in an ``nn.ModuleList``, looped over with a tanh between them."""
 
@@ -138,7 +156,11 @@ class Checkpointed(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # re-entry needs an input that requires grad (else torch drops the block's grads): a block
         # fed the data itself is checkpointed without it
-        return checkpoint(self.inner, x, use_reentrant=self.reentrant and x.requires_grad)
+        reentrant = self.reentrant and x.requires_grad
+        out = checkpoint(self.inner, x, use_reentrant=reentrant)
+        # a view that a custom Function (the re-entrant checkpoint) returns may not be modified in place
+        # (torch refuses it, with or without sharding): its user clones it (``inplace_on_output_view``)
+        return out.clone() if reentrant and out._base is not None else out
 
 
 def _build(node: Node, width: int) -> tuple[nn.Module, int]:
@@ -179,6 +201,10 @@ class Net(nn.Module):
         self.body, self.width = _build(config.body, width)
         # a head run only on each step's last micro-batch (``late_on``, set by the driver): L4's patterns
         self.late = Leaf(Layer("linear", self.width), self.width) if config.late else None
+        # a block that calls the head inside its forward, the head called again after it: L4's patterns
+        head = Leaf(Layer("linear", self.width), self.width) if config.calls_again else None
+        self.mtp = CallsHead(self.width, head) if head is not None else None
+        self.head = head
         self.inplace_view = config.inplace_view
         for module in self.modules():
             if isinstance(module, Leaf):
@@ -200,6 +226,10 @@ class Net(nn.Module):
         if self.late is not None and self.late_on:
             z = self.late(y)
             y = y.to(z.dtype) + z
+        if self.mtp is not None:
+            m = self.mtp(y)
+            z = self.head(y)
+            y = y.to(z.dtype) + z + m.to(z.dtype)
         y = y * self.gain.to(y.dtype)
         aux = y.float().mean()
         if self.output_kind == "tuple":

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.kit.explore.gathers import Unit
-from tests.kit.explore.grammar import Out, first_tensor
+from tests.kit.explore.gathers import GatherLedger, Unit
+from tests.kit.explore.grammar import AGAIN, Out, first_tensor
 from tests.kit.explore.promised import ParamPlan
 from tests.kit.explore.space import PRECISIONS, checkpointed
 from tests.kit.judging.layout import local_numel, shard_shape
@@ -96,6 +96,13 @@ class Invariants:
 
     def _units(self) -> list[Unit]:
         return [(index, path) for index, group in enumerate(self.config.groups) for path in group.paths]
+
+    def _ledger(self) -> GatherLedger:
+        """The ledger of all-gathers as sharding leaves it: every unit sharded; those whose calls keep
+        them sharded through backward; the modules called twice a forward, loose (``_called_again``)."""
+        sizes, calls = self._gather_sizes()
+        skipped = {unit for unit in self._units() if self.config.groups[unit[0]].skips_backward_gather}
+        return GatherLedger(sizes, calls, skip_backward=skipped, loose=self._called_again(sizes))
 
     def _gather_sizes(self) -> tuple[dict[Unit, int], dict[Unit, int]]:
         """Per unit, the elements this rank contributes to gathering its sharded params (each shard
@@ -236,21 +243,31 @@ class Invariants:
         scattered = sum(c.numel for c in rec.of("reduce_scatter") if c.group_size > 1)
         label = f"{where} elements reduce-scattered (the trainable sharded params only)"
         least, most = self._scatter(reduces), self._scatter(reduces, unused=True)
-        if least == most:
+        # a trainable param no grad reached (the late head's): its zeros may be reduced, or nothing; a
+        # head run twice a forward may reduce twice (once per call: the grads accumulated before it, then
+        # the rest; the same sum), its params alone (a group of its own) or its whole call's (one group)
+        again = [least + self._scatter(reduces, twice=whole) for whole in (False, True)]
+        allowed = sorted({least, most, *(again if self.config.calls_again else ())})
+        if len(allowed) == 1:
             self.ctx.equal(label, scattered, least)
-        else:  # a trainable param no grad reached (the late head's): its zeros may be reduced, or nothing
-            self.ctx.true(label, scattered in (least, most), str(scattered), f"{least} or {most}")
+        else:
+            self.ctx.true(label, scattered in allowed, str(scattered), " or ".join(map(str, allowed)))
         if not any(reduces):
             self.ctx.equal(f"{where} all-reduces while held back", len(rec.of("all_reduce")), 0)
 
-    def _scatter(self, reduces: list[bool], unused: bool = False) -> int:
+    def _scatter(self, reduces: list[bool], unused: bool = False, twice: bool | None = None) -> int:
         """What this rank puts into the reduce-scatters of one backward that reduces: each trainable
         sharded param padded to ceil(rows / ranks) rows, times the ranks of its shard group (``unused``:
-        those no grad reached too, as zeros: FSDP2's set_reduce_scatter_unused_params, ours always)."""
+        those no grad reached too, as zeros: FSDP2's set_reduce_scatter_unused_params, ours always;
+        ``twice``: only the head's, whose forward runs twice, where its call is not the root's; True:
+        its whole call's)."""
         total = 0
         for plan in self.plans.values():
             reached = plan.path in self.reference.got_grad or (unused and plan.trainable)
             if plan.kind != "sharded" or not reached:  # frozen, or no grad
+                continue
+            call = self.config.groups[plan.group].paths
+            if twice is not None and (AGAIN[-1] not in call or not (twice or plan.path.startswith(AGAIN[-1] + "."))):
                 continue
             if not reduces[plan.group]:  # held back
                 continue

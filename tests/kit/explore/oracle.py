@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.kit.explore.gathers import GatherLedger, Unit
+from tests.kit.explore.gathers import Unit
 from tests.kit.explore.grammar import HALF_PRECISION_LOSS_SCALE, batch, build, loss_of
 from tests.kit.explore.invariants import Invariants
 from tests.kit.explore.lifetimes import Lifetimes
@@ -87,8 +87,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
         # the effective reshard settings per call: None = True except for the root
         self.reshard_after_forward = [g.reshard_after_forward for g in config.groups]
         self.reshard_after_backward = [True] * len(config.groups)
-        skipped = {unit for unit in self._units() if config.groups[unit[0]].skips_backward_gather}
-        self.gathers = GatherLedger(*self._gather_sizes(), skip_backward=skipped)  # what forward/backward fetch
+        self.gathers = self._ledger()  # what forward and backward fetch
         self.storages = UnshardedStorages()  # what each unit used while unsharded, watched weakly
         self.hook_inputs, self.stepped = {}, None  # what the all-reduce hooks received; params stepped
         # every name a param is registered under (a tied weight has two): the calls above its call see them all
@@ -379,7 +378,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
             out, forward = self._forward(step, args, kwargs, where)
         self._check_gathers(f"{where} forward", forward, gathers, calls)
         self.gathers.after_forward(self._resharded_after_forward(), self._rows_gather)
-        self._late_switch(last)  # a late head's call that ran no forward: as it was, unknown
+        self._forward_done(last)  # a late head's call that ran no forward: as it was, unknown
         taken = None
         if step.state_dict_at == "between" and last:  # loaded back after backward: torch's in-place rule
             taken = self._state_dict_check(f"{where} between forward and backward")

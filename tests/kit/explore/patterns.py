@@ -23,7 +23,15 @@ reference (the plain model's result):
 - ``optimizer_after_forward`` (``Config.optimizer_late``): the optimizers built after a first forward with
   no backward (a warm-up, a shape inference): where a call kept its params gathered then, the model's
   optimizer holds unsharded copies: the implementation trains right, or refuses the first step with a
-  ``RuntimeError`` naming a param and the optimizer (ours), never steps the copies silently (FSDP2).
+  ``RuntimeError`` naming a param and the optimizer (ours), never steps the copies silently (FSDP2);
+- ``list_module_called_again`` (``Config.calls_again``): after the body, a block (module ``mtp``,
+  ``grammar.CallsHead``) calls the model's head (module ``head``, not its child) on its own output and
+  stores the mean of what the head returned, as a multi-token-prediction block keeps its logits; the
+  head then runs again on the body's output, and the loss adds the stored term. The two are sharded
+  by one list call (the feature: independent groups for ours, one group for torch FSDP2), or, as
+  controls, by calls of their own or the root's. The head runs twice a forward, so the ledger holds
+  both modules loose (``_called_again``), reads their numels as the whole forward left them
+  (``_forward_done``), keeps them out of prefetch lists and lets the head's call reduce twice.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from typing import Any
 import torch
 
 from tests.kit.explore.gathers import Unit
-from tests.kit.explore.grammar import batch, clear_stored, loss_of
+from tests.kit.explore.grammar import AGAIN, batch, clear_stored, loss_of
 from tests.kit.judging.surface import impl
 
 
@@ -100,6 +108,22 @@ class Patterns:
             return True
         return False
 
+    def _called_again(self, sizes: dict[Unit, int]) -> dict[Unit, int]:
+        """``list_module_called_again``: the units of the block and of the head it calls (the head runs
+        twice a forward), each loose in the ledger: at most three times its whole call's gather in one
+        forward or backward (once per call of the head, and once more by a prefetch: torch FSDP2's
+        implicit one follows the forward's order, which lists the head twice; a list call may be one
+        group, gathered whenever one of its modules starts; a gather from the rows an int
+        reshard_after_forward keeps may take more than the shard)."""
+        units = [unit for unit in self._units() if unit[1] in AGAIN]
+        settings = self._resharded_after_forward()
+
+        def most(unit: Unit) -> int:
+            rows = settings[unit[0]]
+            return max(sizes[unit], self._rows_gather(unit, rows)[1]) if type(rows) is int else sizes[unit]
+
+        return {unit: 3 * sum(most(other) for other in units if other[0] == unit[0]) for unit in units}
+
     def _late_units(self) -> list[Unit]:
         """The units of the late head's own call (none where it is in the root's)."""
         return [(i, path) for i, group in enumerate(self.config.groups) for path in group.paths if path == "late"]
@@ -120,6 +144,15 @@ class Patterns:
             return
         if not on:
             self.gathers.forget(units)
+
+    def _forward_done(self, last: bool) -> None:
+        """After a micro-batch's forward: the late head's call as ``_late_switch`` says; the modules called
+        twice (loose units) as the whole forward left them, not as their last call did (a list call that
+        is one group, torch FSDP2's, completes a forward its modules did not all run at the root's end)."""
+        self._late_switch(last)
+        for unit in self.gathers.loose:
+            if unit in self.after_forward:
+                self.after_forward[unit] = self._own_numels(*unit)
 
     def _micro_done(self) -> None:
         """What the leaves stored dropped (freed with the step's graph), the late head on again."""

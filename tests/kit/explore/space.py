@@ -169,6 +169,10 @@ class Config:
     stored_loss: bool = False
     # the optimizer built after a first forward without backward (a warm-up, a shape inference)
     optimizer_late: bool = False
+    # a block (module ``mtp``) calls the model's head (module ``head``) inside its forward and stores its
+    # output for the loss; the head runs again after it (in one list call: list_module_called_again; or, as
+    # controls that use no feature, in calls of their own or the root's)
+    calls_again: bool = False
 
     # -- JSON -----------------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -225,7 +229,7 @@ class Config:
         if p.main_grad:
             used.add("main_grad")
         for g in self.groups:
-            if len(g.paths) > 1:
+            if len(g.paths) > 1 and not (self.calls_again and "mtp" in g.paths):
                 used.add("list_input")
             if type(g.reshard_after_forward) is int:
                 used.add("reshard_int")
@@ -265,6 +269,8 @@ class Config:
             used.add("stored_intermediate_loss")
         if self.optimizer_late:
             used.add("optimizer_after_forward")
+        if self.calls_again and any(len(g.paths) > 1 and "mtp" in g.paths for g in self.groups):
+            used.add("list_module_called_again")  # in calls of their own, or the root's: no feature (a control)
         for s in self.steps:
             if not all(s.micro):
                 used.add("last_backward" if s.hold_with_last_backward else "gradient_sync")
@@ -296,12 +302,13 @@ class Config:
 
     def times_backward(self) -> bool:
         """Whether L4 judges backward prefetch timing: each module's backward starts once, in the
-        reverse of the order forwards finish (no recompute, no list call, one param group per call,
-        every call gathered in backward, no registered method skipping the root's hooks, no output
-        modified in place: the backward hooks that time it wrap the modules' outputs)."""
+        reverse of the order forwards finish (no recompute, no list call, no module called twice, one
+        param group per call, every call gathered in backward, no registered method skipping the root's
+        hooks, no output modified in place: the backward hooks that time it wrap the modules' outputs)."""
         return not (
             checkpointed(self.body)
             or self.inplace_view
+            or self.calls_again
             or any(len(g.paths) > 1 or g.placements or g.skips_backward_gather for g in self.groups)
             or any(step.method != "forward" for step in self.steps)
         )

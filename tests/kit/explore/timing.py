@@ -26,13 +26,15 @@ class Timing:
     def _set_prefetch(self) -> None:
         """Each sharded module prefetches the one whose forward starts next, and in backward the one
         whose backward comes next (the reverse of the order forwards finish in): the lists a user
-        writes for the model's order, so a prefetch never fetches a module that is done."""
+        writes for the model's order, so a prefetch never fetches a module that is done. A module called
+        twice a forward (a loose unit of the ledger) neither prefetches nor is prefetched."""
         modules = {
             (index, path): hsdp
             for index, calls in enumerate(self.hsdp_modules)
             for path, hsdp in zip(self.config.groups[index].paths, calls, strict=True)
         }
         starts, finishes = self._unit_orders()
+        starts, finishes = ([u for u in order if u not in self.gathers.loose] for order in (starts, finishes))
         for order, setter in (
             (starts, "set_modules_to_forward_prefetch"),
             (finishes[::-1], "set_modules_to_backward_prefetch"),

@@ -112,6 +112,8 @@ FEATURES: dict[str, str] = {
     "stored_intermediate_loss": "a module stores an intermediate on itself in forward, the loss adds a term read there",
     "optimizer_after_forward": "the optimizer built after a first forward (a warm-up): it trains the params, or its "
     "step is refused naming the param",
+    "list_module_called_again": "a list call's module calls another inside its forward, stores that output for the "
+    "loss, and the callee runs again (the list's modules one group, or each their own)",
 }
 
 

@@ -68,6 +68,8 @@ LACKING: dict[str, str] = {
     "comm_fusion": "fully_shard has no comm_fusion keyword; HSDPConfigV2 hard-codes it off and "
     "HSDPState.unshard raises 'comm_fusion is deprecated'",
     "list_input": "fully_shard swaps module.__class__, so a list raises TypeError (__class__ assignment)",
+    "list_module_called_again": "its draws shard the block and the head by one list call, which upstream "
+    "refuses (see list_input)",
     "placement_replicate": "TorchHSDPParamV2._init_sharded_param asserts the placement is a Shard",
     "zero_grad": "HSDPModule.zero_grads, upstream's way to clear accumulated grads, is meant for "
     "MindSpore only ('zero_grads shouldn't be called in torch platform, use optimizer.zero_grad() "
