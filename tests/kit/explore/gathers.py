@@ -56,8 +56,8 @@ class GatherLedger:
         return self._gather(unit)
 
     def is_sharded(self, unit: Unit) -> bool:
-        """Whether ``unit`` is known to be sharded now (not unsharded, not in rows, not unknown)."""
-        return not ({unit} & (self.unsharded | self.rows.keys() | self.unknown.keys() | self.loose.keys()))
+        """Whether ``unit`` is known to be sharded now (not unsharded, not in rows, not unknown, not loose)."""
+        return all(unit not in states for states in (self.unsharded, self.rows, self.unknown, self.loose))
 
     def forward(self) -> Bounds:
         """(least, most) elements the coming forward all-gathers: every unit not unsharded, once."""

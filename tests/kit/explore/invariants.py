@@ -266,8 +266,7 @@ class Invariants:
             reached = plan.path in self.reference.got_grad or (unused and plan.trainable)
             if plan.kind != "sharded" or not reached:  # frozen, or no grad
                 continue
-            call = self.config.groups[plan.group].paths
-            if twice is not None and (AGAIN[-1] not in call or not (twice or plan.path.startswith(AGAIN[-1] + "."))):
+            if twice is not None and not self._of_head_run_twice(plan, whole_call=twice):
                 continue
             if not reduces[plan.group]:  # held back
                 continue
@@ -275,6 +274,12 @@ class Invariants:
             if size > 1:
                 total += size * torch.Size(shard_shape(self.shapes[plan.path], size, 0, plan.dim)).numel()
         return total
+
+    def _of_head_run_twice(self, plan: ParamPlan, whole_call: bool) -> bool:
+        """Whether ``plan``'s param is the head's (``list_module_called_again``), or with ``whole_call``
+        any of the head's call, where that call is not the root's."""
+        head = AGAIN[-1]
+        return head in self.config.groups[plan.group].paths and (whole_call or plan.path.startswith(head + "."))
 
     def _check_grads(self, where: str) -> None:
         params = dict(self.model.named_parameters())
