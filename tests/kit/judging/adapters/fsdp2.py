@@ -164,6 +164,12 @@ KNOWN_DEFECTS = {
     "block ends, and the head's own call later starts a group forward the root completes; backward reaches the "
     "freed weight through the stored term ('setStorage: ... storage of size 0'; pytorch#183702; replays "
     "491b984d5b, 1 rank, and e46014d8fa, 2 ranks)",
+    frozenset({"reshard_int", "reset_iter_state"}): "FSDPParam.to_sharded() from the rows an int "
+    "reshard_after_forward keeps leaves _sharded_post_forward_param and its data set: reset_iter_state() after "
+    "a forward that failed past the post-forward reshard holds 1/k of the group's params (DTensors on the rows "
+    "mesh) until the next post-forward reshard, for good once reshard_after_forward is off (replay 7b1fd1db2c)",
+    frozenset({"reshard_int", "dcp"}): "the same rows left set by to_sharded(): a state_dict() taken between "
+    "forward and backward reshards a group held in rows and keeps them (replay 69e4e861d3)",
     frozenset({"optimizer_after_forward"}): "the optimizer built after a warm-up forward, a call that kept its "
     "params gathered (the root by default): model.parameters() lists the unsharded copies, the optimizer steps "
     "them and the sharded params never change, silently (pytorch#149205; replay 49fd566fb8, the 3rd draw)",
