@@ -13,6 +13,11 @@ group (what its pre-backward would have done). Every other tensor goes to the ho
 covers (``save_on_cpu``, activation checkpointing) exactly as it would have without them; with none
 below, a detached alias is kept (never the tensor itself: a saved output would then hold its own
 autograd node, a reference cycle torch cannot collect).
+
+A checkpoint inside the module (``checkpoint(self.inner, x)``, not re-entrant, as ``checkpoint_wrapper``
+then ``fully_shard`` builds it) packs with hooks of its own, above these: its recompute in backward
+runs where autograd first reads what it saved, which a stored term reaches before any hook on the
+module's outputs. ``gather_before_recompute`` gathers the group as a recompute enters a submodule.
 """
 
 from __future__ import annotations
@@ -78,3 +83,16 @@ class SavedParamHooks:
         context, self._context = self._context, None
         if context is not None:
             context.__exit__(None, None, None)
+
+
+def gather_before_recompute(module: torch.nn.Module, group: HSDPParamGroup, gather: Callable[[], None]) -> list[Any]:
+    """A forward pre-hook on each submodule of ``module`` holding a param of ``group``: ``gather()``
+    (which acts inside backward only) while the group is sharded. The hooks' handles."""
+    own = {id(param.sharded_param) for param in group.params}
+
+    def before(submodule: torch.nn.Module, args: Any) -> None:
+        if not group.is_unsharded:
+            gather()
+
+    holders = [sub for sub in module.modules() if any(id(p) in own for p in sub.parameters(recurse=False))]
+    return [sub.register_forward_pre_hook(before) for sub in holders if sub is not module]

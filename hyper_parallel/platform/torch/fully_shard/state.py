@@ -34,7 +34,7 @@ from .mesh_info import PostForwardMesh
 from .param import HSDPParam
 from .param_group import HSDPParamGroup
 from .policy import Precision
-from .saved_params import SavedParamHooks
+from .saved_params import SavedParamHooks, gather_before_recompute
 
 
 class TrainingState(Enum):
@@ -226,7 +226,8 @@ class HSDPState:
             self._hook_handles.append(module.register_forward_hook(self._saved_params.leave, always_call=True))
             for param in param_group.params:
                 param.on_grad = self._param_got_grad
-            self._hook_recomputes(module, param_group)
+            # a recompute a stored term reaches first finds the group gathered (saved_params.py)
+            self._hook_handles += gather_before_recompute(module, param_group, self._unshard_for_saved)
         # Names (relative to module, tied names included) of each managed param, for state dicts; the
         # HSDPParam, not its sharded param, which a param registered again before the first forward replaces.
         self._names_of_params: list[tuple[HSDPParam, list[str]]] = []
@@ -410,20 +411,6 @@ class HSDPState:
         group.unshard()
         group.wait_for_unshard()
         group.used_since_post_backward = True
-
-    def _hook_recomputes(self, module: torch.nn.Module, group: HSDPParamGroup) -> None:
-        """A forward pre-hook on each submodule holding a param of the group: a checkpoint inside the module
-        (``checkpoint(self.inner, x)``, not re-entrant) recomputes in backward where autograd first reads what
-        it saved, which a term the forward stored reaches before the module's pre-backward hook: the
-        recompute then finds the group sharded. The hook gathers it first (backward only; a no-op in forward)."""
-        own = {id(param.sharded_param) for param in group.params}
-        for sub in module.modules():
-            if sub is not module and any(id(p) in own for p in sub.parameters(recurse=False)):
-                self._hook_handles.append(sub.register_forward_pre_hook(self._unshard_for_recompute))
-
-    def _unshard_for_recompute(self, module: torch.nn.Module, args: Any) -> None:
-        if self.param_group is not None and not self.param_group.is_unsharded and _inside_backward():
-            self._unshard_for_saved()
 
     def _param_got_grad(self) -> None:
         """Autograd accumulated a grad into one of the group's unsharded params: whatever path backward
