@@ -274,22 +274,24 @@ def grad_dtype_kept(reshard: Any) -> None:
         checks.close(f"{name} grad", full(got), param.grad, checks.tol.grad)
 
 
-def optimizer_after_a_forward() -> None:
-    """An optimizer built after a first forward on a root that keeps its params gathered (a warm-up
-    forward) holds the unsharded copies: its step is refused, naming a param and the fix; built after
+def optimizer_after_a_forward(rows: bool = False) -> None:
+    """An optimizer built after a first forward (a warm-up forward) holds what the model registered then:
+    the unsharded copies a root keeps gathered, or (``rows``: the child's ``reshard_after_forward=2`` at 4
+    ranks) the rows the child keeps. Its step is refused, naming a param and the fix; built after
     ``reshard()`` instead, training = DDP."""
     checks = StrictChecks("FSDP 1D fp32")
     torch.manual_seed(0)
     model = Wraps(StoresIntermediate())
     reference = ddp_of(model)
-    shard_nested(model, [model.body], mesh=checks.mesh)
+    impl.fully_shard(model.body, mesh=checks.mesh, reshard_after_forward=2 if rows else True)
+    impl.fully_shard(model, mesh=checks.mesh)
     x = rank_batches(checks.rank, (4, WIDTH), steps=1)[0]
     with torch.no_grad():
-        model(x)  # warm-up: the root keeps its own params gathered
-    early = torch.optim.Adam(model.parameters())
+        model(x)  # warm-up: the root keeps its own params gathered, the child its rows (``rows``)
+    early = torch.optim.Adam(model.body.parameters() if rows else model.parameters())
     square_mean(model, x).backward()
     error = raised(early.step)
-    checks.equal("optimizer over the gathered copies: refused", type(error).__name__, "RuntimeError")
+    checks.equal("optimizer over the gathered copies or the rows: refused", type(error).__name__, "RuntimeError")
     message = str(error)
     checks.true("the refusal names the param and the fix", "'weight'" in message and "reshard()" in message, message)
     model.zero_grad()

@@ -67,6 +67,12 @@ def test_optimizer_built_after_a_forward(cluster):
     cluster.run(ranks.optimizer_after_a_forward, 2)
 
 
+def test_optimizer_built_after_a_forward_over_the_rows_kept(cluster):
+    """An optimizer over the rows a child keeps after forward (reshard_after_forward=2, 4 ranks; L4's find,
+    replay 213a314616): refused at its step, with the fix, not stepped silently."""
+    cluster.run(ranks.optimizer_after_a_forward, 4, rows=True)
+
+
 @pytest.mark.parametrize("built", ["before the first forward", "between steps"])
 def test_param_registered_again(cluster, built):
     """A plain param registered again: the forward uses it; an optimizer over the replaced tensor is refused."""

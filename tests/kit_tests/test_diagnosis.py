@@ -135,6 +135,37 @@ def test_the_tracer_finds_a_planted_forward_bug_and_measures_noise_of_the_baseli
     assert (first["phase"], first["module"]) == ("forward", "1")
 
 
+class _Checkpointed(nn.Module):
+    """A block run under a not re-entrant activation checkpoint: backward recomputes its children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def test_a_noise_run_through_a_not_reentrant_checkpoint_recomputes_what_it_saved() -> None:
+    """The noise run moves the baseline's outputs inside the checkpoint in its recomputation too: torch
+    checks that the recomputation saves as many tensors as the forward (it raised CheckpointError, and
+    an L4 replay's diagnosis was lost to it)."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(_Checkpointed(), nn.Linear(6, 3))
+    model = copy.deepcopy(reference)
+    x = torch.randn(5, 6, requires_grad=True)
+    trace = Tracer("trace")
+    with tracing(trace):
+        _train_one_step(model, reference, trace, x)
+    model.zero_grad(), reference.zero_grad()
+    noise = Tracer("noise", earlier=trace)
+    with tracing(noise):
+        _train_one_step(model, reference, noise, x)
+    noises = {(r["phase"], r["module"]): r["noise"] for r in noise.rows()}
+    assert 0 < noises[("forward", "0.inner.0")] <= 2 * EPS32
+    assert all(r["error"] == 0.0 for r in trace.rows() if r["phase"] == "forward"), trace.rows()
+
+
 def test_a_tensor_rounds_as_the_model_computes_it_unless_the_baseline_says_less_departs() -> None:
     from tests.kit.judging.reference import SameDtypeReference
 

@@ -14,20 +14,8 @@ from hypothesis import assume
 from hypothesis import strategies as st
 
 from tests.kit.explore.grammar import AGAIN, build, names, tied_halves
+from tests.kit.explore.pattern_draws import mostly, one_in, patterns, toggles
 from tests.kit.explore.space import BLOCKS, LEAVES, PRECISIONS, Config, Group, Layer, Node, Precision, Step, shard_size
-
-
-def one_in(draw: Any, n: int) -> bool:
-    """True one time in ``n``; False where Hypothesis shrinks to, so a shrunk configuration keeps
-    only the options its failure needs."""
-    return draw(st.integers(1, n)) == n
-
-
-def mostly(draw: Any) -> bool:
-    """True three times in four (2..4 of 1..4), False where Hypothesis shrinks to (1): an option the
-    simplest configurations should carry too (Hypothesis draws them at the ends of every range, so
-    what ``one_in`` draws tends to come only with the other rare options)."""
-    return draw(st.integers(1, 4)) > 1
 
 
 def dims(world: int, uneven: bool) -> st.SearchStrategy[int]:
@@ -140,6 +128,8 @@ def configs(
         later = draw(st.sampled_from(config.steps[1:]))
         later.unshard = draw(st.integers(0, len(config.groups) - 1))
         draw(across_step(config, later))
+    if "freeze_across_steps" in features and one_in(draw, 5):
+        draw(toggles(config, sorted({path.rpartition(".")[0] for path in params if "." in path})))
     if "reset_iter_state" in features and mostly(draw):
         # a forward failing at a drawn call (the root half the time: every call's forward done, so the
         # next backward's implicit prefetch meets all they left), then reset_iter_state(), before a drawn step
@@ -147,22 +137,6 @@ def configs(
     used = config.features()
     assume(not any(combination <= used for combination in avoid))
     return config
-
-
-@st.composite
-def patterns(draw: Any, config: Config, features: frozenset[str]) -> None:
-    """FSDP2 users' patterns (``tests.kit.explore.patterns``), each where declared: every param frozen
-    through the first forward; a head run only on each step's last micro-batch (``groups`` decides
-    whether it is in a call of its own); views modified in place; intermediates the loss reads; the
-    optimizer built after a first forward; a block calling the head, which runs again after it."""
-    if "freeze_through_lazy_init" in features and one_in(draw, 5):
-        config.freeze_first = True
-    if {"first_grad_on_synced_microbatch", "unit_skips_nosync_microbatches"} & features and one_in(draw, 4):
-        config.late = True
-    config.inplace_view = "inplace_on_output_view" in features and one_in(draw, 5)
-    config.stored_loss = "stored_intermediate_loss" in features and one_in(draw, 5)
-    config.optimizer_late = "optimizer_after_forward" in features and one_in(draw, 6)
-    config.calls_again = "list_module_called_again" in features and one_in(draw, 5)
 
 
 @st.composite
@@ -372,6 +346,8 @@ def steps(draw: Any, config: Config, features: frozenset[str]) -> Step:
     divided = any(g.divide_factor is not None for g in config.groups)  # the factor decides the division
     if "reduce_op_type" in features and not divided and one_in(draw, 3):
         step.reduce_op = draw(st.sampled_from(("sum", "avg")))
+        if one_in(draw, 3):  # as users write it: accepted as its lower case, or refused naming the argument
+            step.reduce_op = draw(st.sampled_from((step.reduce_op.upper(), step.reduce_op.capitalize())))
         if "recurse_false" in features and draw(st.booleans()):
             step.reduce_op_group = draw(one_group(n_groups))
     # the all-reduce over replicas: drawn where there are replicas (over one it is no collective at all)

@@ -212,8 +212,9 @@ class Lifetimes:
         """The hooks registered at the end of this step on the modules and params, and on each call's
         params while it was unsharded: from the second step on, as many as in the first. So too the
         objects the implementation holds on the host (``host_objects``), from the first step's end where
-        it holds nothing for later on: not with an unshard issued for the next step (``pending``: its
-        handle is held until then), nor with per-replica parts of grads kept for a later all-reduce."""
+        it holds nothing for later on (or the end of the last step that made a param trainable again: its
+        per-param state may be built then, once): not with an unshard issued for the next step (``pending``:
+        its handle is held until then), nor with per-replica parts of grads kept for a later all-reduce."""
         self.hook_counts["modules and params at the step's end: hooks registered"] = registered_hooks(self.model)
         counts, self.hook_counts = self.hook_counts, {}
         self._check_held_objects(where, pending or self.reference.keeps_replica_parts)

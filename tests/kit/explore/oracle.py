@@ -226,6 +226,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
             self._note_copies_held(opts[0])
         steps = self.config.steps
         for index, step in enumerate(steps):
+            self._toggle(step.toggle)  # a module's params frozen or unfrozen, as a user does between steps
             if step.reset_iter_state:  # nothing in flight here: it only reshards
                 self.hsdp_modules[-1][0].reset_iter_state()
                 self.reference.reset_iter_state()
@@ -322,13 +323,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
         root = self.hsdp_modules[-1][0]
         ref = self.reference
         if step.reduce_op:
-            if step.reduce_op_group is None:
-                root.set_reduce_op_type(step.reduce_op)
-                ref.ops = [step.reduce_op] * len(ref.ops)
-            else:
-                for module in self.hsdp_modules[step.reduce_op_group]:
-                    module.set_reduce_op_type(step.reduce_op, recurse=False)
-                ref.ops[step.reduce_op_group] = step.reduce_op
+            self._reduce_op(step.reduce_op, step.reduce_op_group)
         if step.all_reduce is not None and step.all_reduce_group is None:
             root.set_requires_all_reduce(step.all_reduce)
             ref.all_reduce = [step.all_reduce] * len(ref.all_reduce)
@@ -375,7 +370,9 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
         self.reached.clear()
         gathers, calls = self.gathers.forward(), self.gathers.forward_calls()
         with self._creating():
+            first = self._first_of_two(step, step_index, micro, where)  # (its loss term, its collectives) or None
             out, forward = self._forward(step, args, kwargs, where)
+        forward.calls[:0] = first[1].calls if first is not None else []
         self._check_gathers(f"{where} forward", forward, gathers, calls)
         self.gathers.after_forward(self._resharded_after_forward(), self._rows_gather)
         self._forward_done(last)  # a late head's call that ran no forward: as it was, unknown
@@ -387,6 +384,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
         with record_collectives() as backward:
             self._backward_rec = backward
             loss = loss_of(out, self.loss_scale, self.model)
+            loss = loss + first[0] if first is not None else loss
             mark("backward")
             with self._creating():
                 loss.backward()
@@ -401,8 +399,9 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
         self._check_storage_freed(f"{where} after backward")
         rec = CollectiveRecorder()
         rec.calls = forward.calls + backward.calls
+        ref_first = self._reference_first(step, step_index, micro)  # the first of two forwards' term, or 0
         ref_out = self.reference.forward(args, kwargs, step.method)
-        ref_loss = loss_of(ref_out, self.loss_scale, self.reference.compute)
+        ref_loss = loss_of(ref_out, self.loss_scale, self.reference.compute) + ref_first
         ref_loss.backward()
         held = not (syncs or step.hold_with_last_backward)  # the calls holding back (their sync off)
         reduces = [not held or step.sync_group not in (None, i) for i in range(len(self.config.groups))]

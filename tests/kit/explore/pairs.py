@@ -32,7 +32,7 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 
-from tests.kit.explore import draws, grammar, space
+from tests.kit.explore import draws, grammar, pattern_draws, space
 from tests.kit.explore.draws import configs
 from tests.kit.explore.space import Config
 
@@ -281,7 +281,8 @@ def _save(found: Covering, path: Path) -> None:
 
 def _key(features: frozenset[str], max_world: int, min_world: int, avoid: tuple[frozenset[str], ...]) -> str:
     # the draws, and what counts as covered (this module's interplays)
-    source = "".join(inspect.getsource(module) for module in (space, draws, grammar)) + Path(__file__).read_text()
+    modules = (space, draws, pattern_draws, grammar)
+    source = "".join(inspect.getsource(module) for module in modules) + Path(__file__).read_text()
     text = json.dumps(
         [
             sorted(features),

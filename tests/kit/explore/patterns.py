@@ -1,5 +1,5 @@
 """Usage patterns of torch FSDP2's users, as drawn options of L4's one grammar (a mixin of
-``oracle.Example``; drawn by ``draws.patterns``, the model's part in ``grammar.Net``). Each composes
+``oracle.Example``; drawn by ``pattern_draws.patterns``, the model's part in ``grammar.Net``). Each composes
 with every other feature and mesh, and is judged as any configuration is, against the promised
 reference (the plain model's result):
 
@@ -31,7 +31,16 @@ reference (the plain model's result):
   by one list call (the feature: independent groups for ours, one group for torch FSDP2), or, as
   controls, by calls of their own or the root's. The head runs twice a forward, so the ledger holds
   both modules loose (``_called_again``), reads their numels as the whole forward left them
-  (``_forward_done``), keeps them out of prefetch lists and lets the head's call reduce twice.
+  (``_forward_done``), keeps them out of prefetch lists and lets the head's call reduce twice;
+- ``freeze_across_steps`` (``Step.toggle``): before a step, a module's params flipped between frozen and
+  trainable in both models (``_toggle``), as a user freezes a backbone for some steps or unfreezes one
+  frozen from the start (lazy init then saw it frozen): frozen, a param gets no grad and keeps its value;
+  trainable again, it trains as the reference does;
+- ``two_forwards_one_backward`` (``Config.forwards``): a forward of another batch before each micro-batch's
+  own (``_first_of_two``), the loss the sum of both, one backward: every unit loose in the ledger
+  (``_called_again``), each call may reduce once per forward's graph;
+- argument spellings: ``set_reduce_op_type`` given ``"SUM"`` or ``"Avg"`` (``_reduce_op``), which the
+  implementation takes as the lower case or refuses with a ``ValueError`` naming the argument and value.
 """
 
 from __future__ import annotations
@@ -42,7 +51,8 @@ import torch
 
 from tests.kit.explore.gathers import Unit
 from tests.kit.explore.grammar import AGAIN, batch, clear_stored, loss_of
-from tests.kit.judging.surface import impl
+
+OTHER_BATCH = 1000  # the first of two forwards takes the batch of this micro-batch index plus it
 
 
 class Patterns:
@@ -54,6 +64,7 @@ class Patterns:
     reference: Any
     gathers: Any
     plans: Any
+    hsdp_modules: Any
     loss_scale: Any
     tol: Any
 
@@ -83,18 +94,25 @@ class Patterns:
 
     def _note_copies_held(self, optimizer: Any) -> None:
         """``optimizer_after_forward``: the params the engine manages (not ignored) that the optimizer,
-        built after the warm-up forward, holds as plain tensors (a call that kept its params gathered:
-        a copy, not what trains)."""
+        built after the warm-up forward, holds as they were registered then; ``_refused`` counts those the
+        model no longer registers at the step as copies, not what trains (a call that kept its params
+        gathered: unsharded copies; an int ``reshard_after_forward``: the rows it kept)."""
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         sharded = {path for path, plan in self.plans.items() if plan.kind != "ignored"}  # the engine's own
         named = self.model.named_parameters()
-        self.copies_held = [p for p, prm in named if id(prm) in held and p in sharded and not impl.is_sharded(prm)]
+        self.held_at_build = [(p, prm) for p, prm in named if id(prm) in held and p in sharded]
+
+    def _copies_held(self) -> list[str]:
+        """The params the optimizer built after the warm-up holds that the model no longer registers."""
+        held, self.held_at_build = getattr(self, "held_at_build", []), []
+        registered = dict(self.model.named_parameters())
+        return [path for path, param in held if registered[path] is not param]
 
     def _refused(self, model_step: Any) -> bool:
-        """The model's optimizer step; where its optimizer holds unsharded copies, the implementation may
+        """The model's optimizer step; where its optimizer holds copies (``_copies_held``), the implementation may
         refuse it (a ``RuntimeError`` naming one of their params and the optimizer: then True) or train
         right (the params after the step are judged as always)."""
-        held, self.copies_held = getattr(self, "copies_held", []), []
+        held = self._copies_held()
         if not held:
             model_step()
             return False
@@ -103,26 +121,89 @@ class Patterns:
         except RuntimeError as error:
             text, leaves = str(error), sorted({path.rpartition(".")[2] for path in held})
             named = "optimizer" in text and any(f"'{leaf}'" in text for leaf in leaves)
-            label = f"an optimizer holding the unsharded copies of {held}: its step refused naming the param"
+            label = f"an optimizer holding copies of {held} the model no longer registers: its step refused naming one"
             self.ctx.true(label, named, text.splitlines()[0][:160] if text else "", f"one of {leaves}")
             return True
         return False
 
+    def _toggle(self, path: str) -> None:
+        """``freeze_across_steps``: the params of module ``path`` (as registered now: the shards, or a
+        gathered call's unsharded params) flipped between frozen and trainable before a step, in the model
+        under test and in the reference, as a user freezes a backbone for some steps or unfreezes it
+        progressively; the plans follow, for what the reductions carry."""
+        if not path:
+            return
+        for model in (self.model, self.reference.compute, self.reference.master):
+            for param in model.get_submodule(path).parameters(recurse=False):
+                param.requires_grad_(not param.requires_grad)
+        if any(p.requires_grad for p in self.model.get_submodule(path).parameters(recurse=False)):
+            self.held_at_first_end = None  # a param trainable anew may get its state once: counted from this step's end
+        masters = dict(self.reference.master.named_parameters())
+        for plan in self.plans.values():
+            plan.trainable = masters[plan.path].requires_grad
+
+    def _reduce_op(self, written: str, group: int | None) -> None:
+        """``set_reduce_op_type`` as the step writes it, on the root (recursing) or on call ``group`` alone: a
+        spelling users write (``"SUM"``, ``"Avg"``) means its lower case, or is refused by a ``ValueError``
+        naming the argument and the value (then set in lower case, as the user fixes it)."""
+        op, kwargs = written.lower(), {} if group is None else {"recurse": False}
+        for module in [self.hsdp_modules[-1][0]] if group is None else self.hsdp_modules[group]:
+            try:
+                module.set_reduce_op_type(written, **kwargs)
+            except ValueError as error:
+                if written == op:
+                    raise
+                text = str(error)
+                named = "reduce_op_type" in text or "reduce op type" in text.lower()
+                label = f"set_reduce_op_type({written!r}) refused naming the argument and the value"
+                self.ctx.true(label, named and written in text, text.splitlines()[0][:160] if text else "")
+                module.set_reduce_op_type(op, **kwargs)
+        if group is None:
+            self.reference.ops = [op] * len(self.reference.ops)
+        else:
+            self.reference.ops[group] = op
+
+    def _called_twice(self) -> set[Unit]:
+        """The units of ``list_module_called_again``'s block and head (the head runs twice a forward)."""
+        return {unit for unit in self._units() if self.config.calls_again and unit[1] in AGAIN}
+
     def _called_again(self, sizes: dict[Unit, int]) -> dict[Unit, int]:
-        """``list_module_called_again``: the units of the block and of the head it calls (the head runs
-        twice a forward), each loose in the ledger: at most three times its whole call's gather in one
-        forward or backward (once per call of the head, and once more by a prefetch: torch FSDP2's
-        implicit one follows the forward's order, which lists the head twice; a list call may be one
-        group, gathered whenever one of its modules starts; a gather from the rows an int
-        reshard_after_forward keeps may take more than the shard)."""
-        units = [unit for unit in self._units() if unit[1] in AGAIN]
+        """The units a forward (or the forwards before one backward) runs more than once, each loose in the
+        ledger: ``list_module_called_again``'s block and head, and with ``two_forwards_one_backward`` every
+        unit. Each gathers at most its whole call's gather once per run and once more for a prefetch, in
+        one forward phase or one backward (twice that under activation checkpointing: ``GatherLedger``);
+        torch FSDP2's implicit prefetch follows the forward's order, which lists a unit run twice twice; a
+        list call may be one group, gathered whenever one of its modules starts; a gather from the rows an
+        int reshard_after_forward keeps may take more than the shard."""
+        twice = self._called_twice()
+        units = self._units() if self.config.forwards > 1 else sorted(twice)
         settings = self._resharded_after_forward()
 
         def most(unit: Unit) -> int:
             rows = settings[unit[0]]
             return max(sizes[unit], self._rows_gather(unit, rows)[1]) if type(rows) is int else sizes[unit]
 
-        return {unit: 3 * sum(most(other) for other in units if other[0] == unit[0]) for unit in units}
+        def runs(unit: Unit) -> int:
+            return self.config.forwards * (2 if unit in twice else 1)
+
+        return {unit: (runs(unit) + 1) * sum(most(other) for other in units if other[0] == unit[0]) for unit in units}
+
+    def _first_of_two(self, step: Any, step_index: int, micro: int, where: str) -> tuple[Any, Any] | None:
+        """``two_forwards_one_backward``: a forward of another batch before the micro-batch's own (DPO's
+        chosen before its rejected): its loss term (with what its leaves stored, read before the next
+        forward stores afresh) for the one backward, and its collectives; None with one forward."""
+        if self.config.forwards < 2:
+            return None
+        args, kwargs = batch(self.config, step_index, micro + OTHER_BATCH, self.ctx.rank)
+        out, rec = self._forward(step, args, kwargs, f"{where} first forward")
+        return loss_of(out, self.loss_scale, self.model), rec
+
+    def _reference_first(self, step: Any, step_index: int, micro: int) -> Any:
+        """The reference's loss term of ``_first_of_two``'s forward (0 with one forward a backward)."""
+        if self.config.forwards < 2:
+            return 0.0
+        args, kwargs = batch(self.config, step_index, micro + OTHER_BATCH, self.ctx.rank)
+        return loss_of(self.reference.forward(args, kwargs, step.method), self.loss_scale, self.reference.compute)
 
     def _late_units(self) -> list[Unit]:
         """The units of the late head's own call (none where it is in the root's)."""

@@ -99,7 +99,7 @@ class Step:
 
     micro: list[bool] = field(default_factory=lambda: [True])  # gradient sync per micro-batch; the last is on
     hold_with_last_backward: bool = False  # hold back with set_is_last_backward(False), not sync off
-    reduce_op: str | None = None  # "sum" / "avg"
+    reduce_op: str | None = None  # "sum" / "avg", or as users spell them ("SUM", "Avg")
     reduce_op_group: int | None = None  # None: the root, recurse; i: group i alone (recurse=False)
     all_reduce: bool | None = None  # HSDP: set_requires_all_reduce
     all_reduce_group: int | None = None  # None: on the root, recurse; i: group i alone (recurse=False)
@@ -132,6 +132,9 @@ class Step:
     zero_grad: str = "optimizer"  # "optimizer"; "module": HSDPModule.zero_grad(); "module zeros": (False)
     zero_held: bool = False  # HSDPModule.zero_grad() after the first, held-back micro-batch (drops it)
     method: str = "forward"  # "generate": the root's method registered with register_fsdp_forward_method
+    # a module (the owner of some params; never the root) whose params flip requires_grad before the
+    # step in both models: frozen, or trainable again (freeze_across_steps)
+    toggle: str = ""
 
 
 @dataclass
@@ -173,6 +176,9 @@ class Config:
     # output for the loss; the head runs again after it (in one list call: list_module_called_again; or, as
     # controls that use no feature, in calls of their own or the root's)
     calls_again: bool = False
+    # forwards per micro-batch before its one backward: 2, a forward of another batch first and the loss
+    # the sum of both (DPO's chosen and rejected, a contrastive pair: two_forwards_one_backward)
+    forwards: int = 1
 
     # -- JSON -----------------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -271,6 +277,8 @@ class Config:
             used.add("optimizer_after_forward")
         if self.calls_again and any(len(g.paths) > 1 and "mtp" in g.paths for g in self.groups):
             used.add("list_module_called_again")  # in calls of their own, or the root's: no feature (a control)
+        if self.forwards > 1:
+            used.add("two_forwards_one_backward")
         for s in self.steps:
             if not all(s.micro):
                 used.add("last_backward" if s.hold_with_last_backward else "gradient_sync")
@@ -298,17 +306,21 @@ class Config:
                 used.add("zero_grad")
             if s.method != "forward":
                 used.add("forward_method")
+            if s.toggle:
+                used.add("freeze_across_steps")
         return used
 
     def times_backward(self) -> bool:
         """Whether L4 judges backward prefetch timing: each module's backward starts once, in the
-        reverse of the order forwards finish (no recompute, no list call, no module called twice, one
+        reverse of the order forwards finish (no recompute, no list call, no module called twice, one forward
+        a backward, one
         param group per call, every call gathered in backward, no registered method skipping the root's
         hooks, no output modified in place: the backward hooks that time it wrap the modules' outputs)."""
         return not (
             checkpointed(self.body)
             or self.inplace_view
             or self.calls_again
+            or self.forwards > 1
             or any(len(g.paths) > 1 or g.placements or g.skips_backward_gather for g in self.groups)
             or any(step.method != "forward" for step in self.steps)
         )
@@ -330,10 +342,12 @@ class Config:
         } | self._extra_options()
 
     def _extra_options(self) -> dict[str, str]:
-        """The options drawn that are no feature of their own: the maps of the all-reduce hooks, and a
-        call on a tied half (``ignored_params_nested``: counted here, not as a feature, whose pairs
-        would cost the covering phase six more configurations)."""
+        """The options drawn that are no feature of their own: the maps of the all-reduce hooks, a reduce
+        op spelled as users write it (``"SUM"``), and a call on a tied half (``ignored_params_nested``:
+        counted here, not as a feature, whose pairs would cost the covering phase six more configurations)."""
         extra = {"ignored params": "nested"} if any(g.tied_half for g in self.groups) else {}
+        if any(s.reduce_op and s.reduce_op != s.reduce_op.lower() for s in self.steps):
+            extra["reduce op spelling"] = "as users write it"  # "SUM", "Avg": accepted alike, or refused
         hooks = {g.hook_map for g in self.groups if g.hook}
         if hooks:
             extra["all-reduce hook"] = ",".join(sorted(hooks))

@@ -34,7 +34,8 @@ class Timing:
             for path, hsdp in zip(self.config.groups[index].paths, calls, strict=True)
         }
         starts, finishes = self._unit_orders()
-        starts, finishes = ([u for u in order if u not in self.gathers.loose] for order in (starts, finishes))
+        twice = self._called_twice()
+        starts, finishes = ([u for u in order if u not in twice] for order in (starts, finishes))
         for order, setter in (
             (starts, "set_modules_to_forward_prefetch"),
             (finishes[::-1], "set_modules_to_backward_prefetch"),

@@ -22,23 +22,29 @@ class UserHooks:
     def _hook_before_sharding(self) -> None:
         """``register_hook`` on every trainable param the calls manage, before the first call."""
         self.grad_hook_calls: Counter[str] = Counter()
+        self.ref_hook_calls: Counter[str] = Counter()  # the same hooks on the reference's: the plain model's
         self.grads_computed: Counter[str] = Counter()
         self.before_sharding = "hooks_through_sharding" in impl.features
+        self.hooked: set[str] = set()  # the params hooked (a param frozen then and unfrozen later is not)
         if not self.before_sharding:
             return
         for path, param in self.model.named_parameters():
             if self._hooked(path, param):
                 param.register_hook(self._count(self.grad_hook_calls, path))
+                self.reference.compute.get_parameter(path).register_hook(self._count(self.ref_hook_calls, path))
+                self.hooked.add(path)
 
     def _hook_after_sharding(self) -> None:
         """``register_post_accumulate_grad_hook`` on every trainable managed param, as sharded."""
         self.landed_calls: Counter[str] = Counter()
         self.landed_without_grad: list[str] = []
+        self.landed_hooked: set[str] = set()
         if "post_accumulate_grad_hooks" not in impl.features:
             return
         for path, param in self.model.named_parameters():
             if self._hooked(path, param):
                 param.register_post_accumulate_grad_hook(self._landed(path))
+                self.landed_hooked.add(path)
 
     def _hooked(self, path: str, param: nn.Parameter) -> bool:
         plan = self.plans.get(path)
@@ -72,11 +78,11 @@ class UserHooks:
         """The counts of this step, then reset for the next."""
         if self.before_sharding:
             for path in sorted(self.grads_computed):
-                if self._hooked(path, self.model.get_parameter(path)):
+                if path in self.hooked and self._hooked(path, self.model.get_parameter(path)):
                     self.ctx.equal(
-                        f"{where} register_hook before fully_shard on {path}: calls",
+                        f"{where} register_hook before fully_shard on {path}: calls (as on the plain model)",
                         self.grad_hook_calls[path],
-                        self.grads_computed[path],
+                        self.ref_hook_calls[path],
                     )
         if "post_accumulate_grad_hooks" in impl.features:
             without = str(self.landed_without_grad)
@@ -85,10 +91,11 @@ class UserHooks:
                 plan = self.plans.get(path)
                 if plan is None or param.grad is None or not self._complete(plan.group, plan.mesh):
                     continue
-                if self._hooked(path, param):
+                if path in self.landed_hooked and self._hooked(path, param):
                     called = self.landed_calls[path]
                     self.ctx.true(f"{where} post-accumulate-grad hook on {path} called", called >= 1, called, ">= 1")
         self.grad_hook_calls.clear()
+        self.ref_hook_calls.clear()
         self.grads_computed.clear()
         self.landed_calls.clear()
         self.landed_without_grad.clear()

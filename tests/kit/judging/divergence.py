@@ -98,7 +98,7 @@ def _diverged_so_far(tracer: Tracer) -> str | None:
     except Exception:  # noqa: BLE001 - a trace cut short mid-tensor: nothing to say of what came before
         return None
     for row in rows:
-        error = row["error"]
+        error = row.get("error")  # a noise run's rows hold the noise, no error
         if error is not None and (not math.isfinite(error) or error > threshold(None, row.get("dtype", ""))):
             return f"{row['step']} {row['phase']} {row['module'] or '(root)'} {row['tensor']}"
     return None

@@ -106,6 +106,9 @@ FEATURES: dict[str, str] = {
     "the stepped params",
     # usage patterns of FSDP2's users (L4's tests/kit/explore/patterns.py)
     "freeze_through_lazy_init": "every param frozen (requires_grad_(False)) through the first forward, then unfrozen",
+    "freeze_across_steps": "a module's params frozen (requires_grad_(False)) before a step, trainable again later",
+    "two_forwards_one_backward": "two forwards (two batches) before one backward of their summed losses, "
+    "as DPO's chosen and rejected, with or without activation checkpointing",
     "first_grad_on_synced_microbatch": "a param used only on a step's last micro-batch: its first grad comes synced",
     "unit_skips_nosync_microbatches": "a sharded module run only on a step's last micro-batch, not the held ones",
     "inplace_on_output_view": "a sharded module returns a view of its output, a module above modifies it in place",

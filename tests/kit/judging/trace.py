@@ -199,8 +199,10 @@ class _Side:
             tensor = first_tensor(output)
             if self.tracer.step_label is None:
                 return None
-            if self.in_backward or tensor is None or not tensor.is_floating_point():
-                return None  # a recomputation in backward (activation checkpointing), or no tensor
+            if tensor is None or not tensor.is_floating_point():
+                return None
+            if self.in_backward:  # a recomputation in backward (activation checkpointing): not recorded
+                return self._recomputed(path, output, tensor)
             calls = self.calls.get(path, 0)
             self.calls[path] = calls + 1
             name = path if calls == 0 else f"{path}#{calls}"
@@ -213,6 +215,14 @@ class _Side:
             return None if perturbed is None else _replace_first(output, perturbed)
 
         return hook
+
+    def _recomputed(self, path: str, output: Any, tensor: torch.Tensor) -> Any:
+        """A noise run moves the baseline's recomputed output as it moved the original (a not re-entrant
+        checkpoint must save as many tensors again, torch checks); nothing is recorded of it."""
+        if self.role == "model" or self.tracer.mode != "noise" or not replaceable(output):
+            return None
+        key = self.tracer.key("forward", path, "output")
+        return _replace_first(output, self.tracer._perturb(key, tensor))
 
     def _grad_hook(self, key: Key) -> Any:
         def hook(grad: torch.Tensor) -> torch.Tensor | None:

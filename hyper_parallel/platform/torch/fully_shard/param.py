@@ -200,6 +200,14 @@ class HSDPParam(GradientSide):
             stride=contiguous_stride(self.global_shape),
         )
         param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
+        module, name = self.slots[0]
+        note_not_to_step(
+            param,
+            f"optimizer: it holds the rows of parameter {name!r} of {type(module).__name__} that "
+            "reshard_after_forward=<int> keeps registered after forward, not the sharded parameter training "
+            "updates (the next gather replaces them); build the optimizer from model.parameters() before the "
+            "first forward, after a backward, or after model.reshard()",
+        )
         self._register(param)
 
     def refresh_after_apply(self, policy: Precision) -> None:

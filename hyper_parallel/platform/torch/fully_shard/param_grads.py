@@ -50,10 +50,18 @@ class GradientSide:
         grad = self.unreduced_grad
         return grad if grad.dtype == self.reduce_dtype else grad.to(self.reduce_dtype)
 
+    @property
+    def trainable_now(self) -> bool:
+        """Whether the param needs grad as the user last set it: on the param registered now (the shard, the
+        unsharded param, or the rows kept after forward), which the engine carries to the next it registers;
+        the shard's own flag is stale while another is registered (frozen between steps with its rows kept)."""
+        current = self.registered if self.registered is not None else self.sharded_param
+        return current.requires_grad
+
     def give_zero_grad_if_unused(self) -> None:
         """``set_reduce_scatter_unused_params``: a param backward gave no grad on this rank reduces
         zeros, so every rank issues the same collectives whatever it used."""
-        if self.unreduced_grad is None and self.sharded_param.requires_grad:
+        if self.unreduced_grad is None and self.trainable_now:
             self.unreduced_grad = torch.zeros(self.full_shape, dtype=self.reduce_dtype, device=self.device)
 
     def copy_grad_into(self, buffer: torch.Tensor, grad: torch.Tensor) -> None:

@@ -147,6 +147,14 @@ KNOWN_DEFECTS = {
     "BFloat16 to a tensor with grad_dtype Float' (pytorch#186998; replay 0e3f6123b7); in fp32, unfrozen where "
     "the model registers them with the root left gathered, its sharded params stay frozen and the next forward "
     "builds no graph (replay ccaca52f2b)",
+    frozenset({"freeze_across_steps", "mixed_precision"}): "a module frozen through the first forward (its "
+    "group's lazy init fixes the reduce dtype from the trainable params only), made trainable before a later "
+    "step: under a bf16/fp32 policy backward raises 'attempting to assign a gradient with dtype BFloat16 to a "
+    "tensor with grad_dtype Float' (pytorch#186998's cause, reached by progressive unfreezing; replay 49d7482bf9)",
+    frozenset({"two_forwards_one_backward", "activation_checkpointing"}): "two forwards before one backward "
+    "(DPO's chosen and rejected) through a sharded module under a re-entrant checkpoint: the module's grads "
+    "hold one forward's part, half the grad silently lost (2.9.1 raised 'got mixed torch.Tensor and DTensor' "
+    "there instead: pytorch#187437; replay a19f86b4fb, one rank)",
     frozenset({"first_grad_on_synced_microbatch", "gradient_sync", "mixed_precision"}): "a param whose first grad "
     "comes on the synced micro-batch after no-sync ones, reduce dtype other than the param dtype: 'FSDP "
     "reduce-scatter expects uniform gradient dtype' (pytorch#160279; replay 43581d53a7)",
