@@ -420,3 +420,24 @@ def list_member_called_again(reshard: Any) -> None:
     impl.fully_shard(model, mesh=checks.mesh, reshard_after_forward=reshard)
     batches = rank_batches(checks.rank, (4, WIDTH), steps=STEPS)
     train_against(checks, model, reference, batches, _tail_loss, checks.tol, label=f"reshard={reshard}")
+
+
+def frozen_while_rows_kept() -> None:
+    """A module frozen while its call keeps its rows after forward (``reshard_after_forward=2``, 4 ranks),
+    ``set_reduce_scatter_unused_params(True)`` on it: its params get no grad, as the plain model's (L4's
+    1d8f230b59: the engine read the shard's stale flag and reduced zeros into them, which the optimizer
+    then stepped)."""
+    checks = StrictChecks("FSDP 1D fp32")
+    torch.manual_seed(0)
+    model = Wraps(nn.Linear(WIDTH, WIDTH))
+    impl.fully_shard(model.body, mesh=checks.mesh, reshard_after_forward=2)
+    impl.fully_shard(model, mesh=checks.mesh)
+    model.body.set_reduce_scatter_unused_params(True)
+    x = rank_batches(checks.rank, (4, WIDTH), steps=1)[0]
+    model(x)  # a forward no backward follows: the body keeps its rows registered
+    for param in model.body.parameters():
+        param.requires_grad_(False)
+    square_mean(model, x).backward()
+    grads = [param.grad is None for param in model.body.parameters()]
+    checks.equal("the frozen module's params: no grad", str(grads), str([True] * len(grads)))
+    checks.true("the root's params: grads", all(p.grad is not None for p in model.pre.parameters()))

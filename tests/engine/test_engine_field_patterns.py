@@ -90,3 +90,8 @@ def test_a_list_calls_module_called_again(cluster, reshard):
     """A list call's module called inside another's forward and again outside, its first output stored
     and read by the loss (pytorch#183702): = DDP."""
     cluster.run(ranks.list_member_called_again, 2, reshard=reshard)
+
+
+def test_a_module_frozen_while_its_rows_are_kept_gets_no_grad(cluster):
+    """Frozen between a forward and the next while its call keeps its rows, unused params reduced: no grad."""
+    cluster.run(ranks.frozen_while_rows_kept, 4)
