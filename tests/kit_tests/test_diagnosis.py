@@ -112,12 +112,8 @@ def _train_one_step(model: nn.Module, reference: nn.Module, tracer: Tracer, x: t
     tracer.begin(None)
 
 
-def test_the_tracer_finds_a_planted_forward_bug_and_measures_noise_of_the_baseline() -> None:
-    torch.manual_seed(0)
-    reference = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-    model = copy.deepcopy(reference)
-    model[1].register_forward_hook(lambda module, args, out: out * (1 + 1e-4))  # the bug: after layer 0
-    x = torch.randn(5, 6)
+def _trace_then_noise(model: nn.Module, reference: nn.Module, x: torch.Tensor) -> tuple[Tracer, Tracer]:
+    """One step traced, then the same step as a noise run of that trace."""
     trace = Tracer("trace")
     with tracing(trace):
         _train_one_step(model, reference, trace, x)
@@ -125,6 +121,16 @@ def test_the_tracer_finds_a_planted_forward_bug_and_measures_noise_of_the_baseli
     noise = Tracer("noise", earlier=trace)
     with tracing(noise):
         _train_one_step(model, reference, noise, x)
+    return trace, noise
+
+
+def test_the_tracer_finds_a_planted_forward_bug_and_measures_noise_of_the_baseline() -> None:
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = copy.deepcopy(reference)
+    model[1].register_forward_hook(lambda module, args, out: out * (1 + 1e-4))  # the bug: after layer 0
+    x = torch.randn(5, 6)
+    trace, noise = _trace_then_noise(model, reference, x)
     errors = {(r["phase"], r["module"], r["tensor"]): r["error"] for r in trace.rows()}
     assert errors[("forward", "0", "output")] == 0.0
     assert errors[("forward", "1", "output")] > 0.0
@@ -154,13 +160,7 @@ def test_a_noise_run_through_a_not_reentrant_checkpoint_recomputes_what_it_saved
     reference = nn.Sequential(_Checkpointed(), nn.Linear(6, 3))
     model = copy.deepcopy(reference)
     x = torch.randn(5, 6, requires_grad=True)
-    trace = Tracer("trace")
-    with tracing(trace):
-        _train_one_step(model, reference, trace, x)
-    model.zero_grad(), reference.zero_grad()
-    noise = Tracer("noise", earlier=trace)
-    with tracing(noise):
-        _train_one_step(model, reference, noise, x)
+    trace, noise = _trace_then_noise(model, reference, x)
     noises = {(r["phase"], r["module"]): r["noise"] for r in noise.rows()}
     assert 0 < noises[("forward", "0.inner.0")] <= 2 * EPS32
     assert all(r["error"] == 0.0 for r in trace.rows() if r["phase"] == "forward"), trace.rows()
