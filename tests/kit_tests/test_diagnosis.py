@@ -20,6 +20,7 @@ from tests.kit.judging.divergence import (
     NOT_RUN,
     Diagnosis,
     Tensor,
+    _diverged_so_far,
     diagnose,
     diagnose_runs,
     merge,
@@ -163,6 +164,7 @@ def test_a_noise_run_through_a_not_reentrant_checkpoint_recomputes_what_it_saved
     trace, noise = _trace_then_noise(model, reference, x)
     noises = {(r["phase"], r["module"]): r["noise"] for r in noise.rows()}
     assert 0 < noises[("forward", "0.inner.0")] <= 2 * EPS32
+    assert _diverged_so_far(noise) is None  # a noise run that raises reads its rows: noise, no error
     assert all(r["error"] == 0.0 for r in trace.rows() if r["phase"] == "forward"), trace.rows()
 
 
