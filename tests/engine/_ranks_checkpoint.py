@@ -1,11 +1,12 @@
 """Rank bodies of the engine's state-dict tests: full state dicts through torch's
 ``get_model_state_dict`` / ``set_model_state_dict``, a state dict taken while the params are
-unsharded, and the L0-DCP case's body on an HSDP mesh."""
+unsharded, a sharded state dict assigned into a meta-built model, and the L0-DCP case's body on an HSDP mesh."""
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import distribute_tensor
 
 from tests.kit.judging.checks import StrictChecks
 from tests.kit.judging.layout import local_numel
@@ -58,6 +59,31 @@ def full_state_dict_round_trip() -> None:
     for name, value in model.state_dict().items():
         checks.true(f"state dict while unsharded: {name} sharded", impl.is_sharded(value), type(value).__name__)
         checks.equal(f"state dict while unsharded: {name} value", value, unsharded[name])
+
+
+def assigned_after_meta_init() -> None:
+    """Built on the meta device, sharded, then given a sharded state dict (made from the full one with
+    ``distribute_tensor``) by ``load_state_dict(assign=True)``, torchtune's load: ``state_dict()`` before
+    the first forward holds the loaded tensors (the engine had kept the meta ones until a forward), an
+    optimizer built then trains them = DDP, and that early state dict holds the trained values after."""
+    checks = StrictChecks("FSDP 1D fp32")
+    plain = MLP(DIMS)
+    with torch.device("meta"):
+        model = MLP(DIMS)
+    shard_nested(model, model.layers, mesh=checks.mesh)
+    loaded = {
+        name: distribute_tensor(plain.state_dict()[name], meta.device_mesh, meta.placements)
+        for name, meta in model.state_dict().items()
+    }
+    model.load_state_dict(loaded, assign=True)
+    early = model.state_dict()
+    for name, value in early.items():
+        checks.true(f"state_dict() after the load: {name} not meta", not impl.local(value).is_meta)
+        checks.equal(f"state_dict() after the load: {name} = the loaded tensor", value, loaded[name])
+    train_against(checks, model, ddp_of(plain), rank_batches(checks.rank, (4, DIMS[0])), square_mean, checks.tol)
+    trained = named_params(model)
+    for name, value in early.items():
+        checks.equal(f"the state dict taken before training: {name} = the trained param", value, trained[name])
 
 
 def hsdp_dcp_round_trip() -> None:

@@ -14,6 +14,12 @@ def test_full_state_dict_round_trip(cluster):
     cluster.run(ranks.full_state_dict_round_trip, 2)
 
 
+def test_a_sharded_state_dict_assigned_after_meta_init(cluster):
+    """load_state_dict(assign=True) after meta init (torchtune's load; L4's find, replays 995e331665 and
+    bdf792b928): state_dict() holds the loaded tensors before the first forward, training = DDP."""
+    cluster.run(ranks.assigned_after_meta_init, 2)
+
+
 def test_dcp_round_trip_hsdp(cluster):
     """L0-DCP's body on a 2x2 HSDP mesh; no plan case covers DCP on HSDP (L0-DCP is 1-D)."""
     cluster.run(ranks.hsdp_dcp_round_trip, 4)

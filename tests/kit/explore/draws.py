@@ -106,7 +106,7 @@ def configs(
         even=not uneven,
     )
     if "deferred_init" in features and one_in(draw, 4):
-        config.init = "meta"
+        config.init = "meta assign" if "state_dict_assign" in features and draw(st.booleans()) else "meta"
     if "to_dtype" in features and config.precision == Precision() and one_in(draw, 5):
         config.cast = draw(st.sampled_from(("to", "double")))  # float64 training (a policy would cast it away)
         if "to_dtype_after_forward" in features:  # the cast may meet gathered groups
@@ -152,10 +152,11 @@ def groups(
     unrelated modules where list input is declared; at times a call of its own on the first half of
     a tied pair (``halves``) ignoring the shared weight, which the calls above reach too."""
     candidates = sorted(path for path in modules if path and path not in AGAIN)
-    if config.late and "unit_skips_nosync_microbatches" not in features:
-        candidates.remove("late")  # the late head stays in the root's call
+    if config.late_ranks or (config.late and "unit_skips_nosync_microbatches" not in features):
+        candidates.remove("late")  # the late head stays in the root's call (with the root's own param)
     chosen = draw(st.lists(st.sampled_from(candidates), unique=True, max_size=4)) if candidates else []
-    if config.late and "first_grad_on_synced_microbatch" not in features and "late" not in chosen:
+    alone = config.late and "first_grad_on_synced_microbatch" not in features and not config.late_ranks
+    if alone and "late" not in chosen:
         chosen.append("late")  # the late head in a call of its own
     nested = {"ignored_params", "ignored_params_nested"} <= features and halves
     if nested and one_in(draw, 3):
@@ -258,8 +259,10 @@ def group_options(
         group.separate_reduce = True
     free = list(own)
     nameable = list(below)  # a call's list may name params managed below it: nothing changes for them
-    if "ignored_params" in features and free and one_in(draw, 4):
-        group.ignored = _named(draw, free, nameable)
+    # a head on some ranks only: the root's own param stays managed, so the root's call gets a grad on every rank
+    ignorable = [p for p in free if not (root and config.late_ranks and p == "gain")]
+    if "ignored_params" in features and ignorable and one_in(draw, 4):
+        group.ignored = _named(draw, ignorable, nameable)
         free = [p for p in free if p not in group.ignored]
     if "replicate_params" in features and free and one_in(draw, 4):
         group.replicated = _named(draw, free, [p for p in nameable if p not in group.ignored])

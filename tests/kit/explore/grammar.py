@@ -199,8 +199,8 @@ class Net(nn.Module):
             self.embed = nn.Embedding(config.dim, width)
             nn.init.uniform_(self.embed.weight, -INIT, INIT)  # as small as the leaves' inputs
         self.body, self.width = _build(config.body, width)
-        # a head run only on each step's last micro-batch (``late_on``, set by the driver): L4's patterns
-        self.late = Leaf(Layer("linear", self.width), self.width) if config.late else None
+        # a head run only on each step's last micro-batch, or on some ranks (``late_on``, set by the driver)
+        self.late = Leaf(Layer("linear", self.width), self.width) if config.has_late else None
         # a block that calls the head inside its forward, the head called again after it: L4's patterns
         head = Leaf(Layer("linear", self.width), self.width) if config.calls_again else None
         self.mtp = CallsHead(self.width, head) if head is not None else None

@@ -66,7 +66,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
         half = PRECISIONS[config.precision.name][0] != "fp32"
         self.loss_scale = HALF_PRECISION_LOSS_SCALE if half else 1.0
         self.meshes = Meshes(ctx, config)
-        with torch.device("meta") if config.init == "meta" else contextlib.nullcontext():
+        with torch.device("meta") if config.init else contextlib.nullcontext():
             self.model = build(config)
         self.plans = param_plans(config, self.model)
         self.reference = PromisedReference(config, self.meshes, self.plans)
@@ -121,7 +121,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
             self._set_prefetch()
         if any(step.method != "forward" for step in self.config.steps):
             impl.register_fsdp_forward_method(self.model, "generate")
-        if self.config.init == "meta":
+        if self.config.init:
             self._materialise()
         if self.config.cast:
             self._leave_gathered(self.config.cast_gathered)
@@ -217,13 +217,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
         if self._layout_broken():
             return  # training on a wrong layout only repeats the failure, or raises and hides it
         self.trace = traced(self.model, self.reference)  # the diagnosis's (tests.kit.judging.divergence)
-        if not self.config.optimizer_late:
-            opts = self._optimizer(self.model.parameters()), self._optimizer(self.reference.master.parameters())
-        if self.config.freeze_first or self.config.optimizer_late:
-            self._first_forward(frozen=self.config.freeze_first)
-        if self.config.optimizer_late:
-            opts = self._optimizer(self.model.parameters()), self._optimizer(self.reference.master.parameters())
-            self._note_copies_held(opts[0])
+        opts = self._before_training()
         steps = self.config.steps
         for index, step in enumerate(steps):
             self._toggle(step.toggle)  # a module's params frozen or unfrozen, as a user does between steps
@@ -263,6 +257,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
             if self._end_step(index, step, opts, across):
                 return  # the step refused, as promised: nothing stepped, nothing more to judge
             self._check_hooks_flat(f"step {index} end", pending=across is not None and across.unshard is not None)
+        self._check_early_state_dict()
 
     def _end_step(self, index: int, step: Any, opts: tuple, across: Any) -> bool:
         """The optimizer step and zero_grad, with the next step's "across step" unshard issued where

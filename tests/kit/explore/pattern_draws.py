@@ -30,15 +30,22 @@ def patterns(draw: Any, config: Config, features: frozenset[str]) -> None:
     through the first forward; a head run only on each step's last micro-batch (``groups`` decides
     whether it is in a call of its own); views modified in place; intermediates the loss reads; the
     optimizer built after a first forward; a block calling the head, which runs again after it; two
-    forwards before one backward."""
+    forwards before one backward; a head run on some ranks only."""
     if "freeze_through_lazy_init" in features and one_in(draw, 5):
         config.freeze_first = True
     if {"first_grad_on_synced_microbatch", "unit_skips_nosync_microbatches"} & features and one_in(draw, 4):
         config.late = True
+    if "ranks_skip_params" in features and config.world > 1 and one_in(draw, 5):
+        # the head on some ranks only, in the root's call: its params get no grad on the others
+        ranks = st.sets(st.integers(0, config.world - 1), min_size=1, max_size=config.world - 1)
+        config.late_ranks = sorted(draw(ranks))
+        config.late = config.late and "first_grad_on_synced_microbatch" in features  # then in the root's call too
     config.inplace_view = "inplace_on_output_view" in features and one_in(draw, 5)
     config.stored_loss = "stored_intermediate_loss" in features and one_in(draw, 5)
     config.optimizer_late = "optimizer_after_forward" in features and one_in(draw, 6)
     config.calls_again = "list_module_called_again" in features and one_in(draw, 5)
+    # the state dict's tensors hold the params' storage: a cast after sharding would leave a plain model's stale too
+    config.early_state_dict = "state_dict_before_forward" in features and not config.cast and one_in(draw, 5)
     config.forwards = 2 if "two_forwards_one_backward" in features and one_in(draw, 5) else 1
 
 

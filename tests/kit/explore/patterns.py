@@ -13,6 +13,9 @@ reference (the plain model's result):
   on the held micro-batches and their first on the synced one; in a call of its own that call runs
   no forward on the held micro-batches. The ledger of all-gathers (``gathers.GatherLedger``) then
   knows nothing of that call's state on a held micro-batch: at most one gather of it;
+- ``ranks_skip_params`` (``Config.late_ranks``): the same head, in the root's call, run on some ranks only (a
+  routed expert, a conditional branch): on the others its params get no grad while the root's own do, and the
+  promise is DDP(find_unused_parameters=True)'s: their zeros in the mean (the reference's ``zeros_for``);
 - ``inplace_on_output_view`` (``Config.inplace_view``): every leaf returns a view of its output and
   the root scales the body's output in place (``mul_(1.0)``): where the body's last leaf is a sharded
   module, the view it returned is modified in place above it;
@@ -51,6 +54,7 @@ import torch
 
 from tests.kit.explore.gathers import Unit
 from tests.kit.explore.grammar import AGAIN, batch, clear_stored, loss_of
+from tests.kit.judging.surface import impl
 
 OTHER_BATCH = 1000  # the first of two forwards takes the batch of this micro-batch index plus it
 
@@ -67,6 +71,33 @@ class Patterns:
     hsdp_modules: Any
     loss_scale: Any
     tol: Any
+
+    def _before_training(self) -> tuple[Any, Any]:
+        """The optimizers of the model and the reference, built after a first forward where drawn
+        (``freeze_through_lazy_init``, ``optimizer_after_forward``); before it, the model's state dict kept
+        where drawn (``state_dict_before_forward``)."""
+        self.early_state = self.model.state_dict() if self.config.early_state_dict else {}
+        if not self.config.optimizer_late:
+            opts = self._optimizer(self.model.parameters()), self._optimizer(self.reference.master.parameters())
+        if self.config.freeze_first or self.config.optimizer_late:
+            self._first_forward(frozen=self.config.freeze_first)
+        if self.config.optimizer_late:
+            opts = self._optimizer(self.model.parameters()), self._optimizer(self.reference.master.parameters())
+            self._note_copies_held(opts[0])
+        return opts
+
+    def _check_early_state_dict(self) -> None:
+        """``state_dict_before_forward``: after training, each param's tensor in the state dict taken before the
+        first forward holds what this rank's param holds now (a plain model's state dict shares its params'
+        storage, so a user who saves it later saves the trained weights)."""
+        params = dict(self.model.named_parameters())
+        for key, early in self.early_state.items():
+            if key not in params:
+                continue  # a buffer: never trained
+            now, then = impl.local(params[key]), impl.local(early)
+            label = f"state_dict() taken before the first forward, read after training: {key} = the trained param"
+            same = then.dtype == now.dtype and then.shape == now.shape and torch.equal(then, now)
+            self.ctx.true(label, same, f"{tuple(then.shape)} {then.dtype}", f"{tuple(now.shape)} {now.dtype}")
 
     def _first_forward(self, frozen: bool) -> None:
         """A first forward (grad enabled) with no backward: ``freeze_through_lazy_init`` (``frozen``:
@@ -217,13 +248,15 @@ class Patterns:
         ``starts``: a micro-batch starts, what the leaves stored in earlier forwards dropped."""
         if starts:
             self._micro_done()
-        if not self.config.late:
+        if not self.config.has_late:
             return
-        self.model.late_on = self.reference.compute.late_on = on
+        ran = on or not self.config.late  # somewhere: a head run on the last micro-batch only, or on each
+        here = ran and (not self.config.late_ranks or self.ctx.rank in self.config.late_ranks)
+        self.model.late_on = self.reference.compute.late_on = here
+        late = [path for path in self.plans if path.startswith("late.")]
+        self.reference.zeros_for = set(late) if ran and not here else set()  # DDP's unused params: zeros
         units = self._late_units()
-        if not units:
-            return
-        if not on:
+        if units and not ran:
             self.gathers.forget(units)
 
     def _forward_done(self, last: bool) -> None:
@@ -239,5 +272,6 @@ class Patterns:
         """What the leaves stored dropped (freed with the step's graph), the late head on again."""
         clear_stored(self.model)
         clear_stored(self.reference.compute)
-        if self.config.late:
+        if self.config.has_late:
             self.model.late_on = self.reference.compute.late_on = True
+            self.reference.zeros_for = set()

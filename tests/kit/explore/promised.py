@@ -150,7 +150,10 @@ class PromisedReference:
         # landed in, with what it held before them (replaced by that backward's result)
         self._replica_parts: dict[str, torch.Tensor] = {}
         self._landed: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self.got_grad: set[str] = set()  # params whose grad the last backward computed
+        self.got_grad: set[str] = set()  # params whose grad the last backward computed (or zeros for)
+        # params that get zeros where this rank's backward gives them no grad (another rank's may: DDP's
+        # find_unused_parameters rule), set by the driver per micro-batch (``ranks_skip_params``)
+        self.zeros_for: set[str] = set()
         for group in config.groups:
             for path in group.paths:
                 module = self.compute.get_submodule(path) if path else self.compute
@@ -187,12 +190,14 @@ class PromisedReference:
         masters = dict(self.master.named_parameters())
         self.got_grad = set()
         for path, param in self.compute.named_parameters():
+            plan, master = self.plans[path], masters[path]
+            unused = path in self.zeros_for and plan.kind != "ignored" and master.requires_grad
+            if param.grad is None and unused:
+                param.grad = torch.zeros_like(param)
             if param.grad is None:
                 continue
             self.got_grad.add(path)
             grad, param.grad = param.grad, None
-            plan = self.plans[path]
-            master = masters[path]
             if plan.kind == "ignored":
                 master.grad = grad.to(master.dtype) if master.grad is None else master.grad + grad.to(master.dtype)
                 continue

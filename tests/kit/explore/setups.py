@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import distribute_tensor
 
 from tests.kit.explore.grammar import Tied, batch, build, loss_of
 from tests.kit.judging.surface import impl
@@ -55,20 +56,43 @@ class SetUps:
     def _materialise(self) -> None:
         """Deferred init: the meta-built, sharded model's storage made on this rank's device, then
         filled from rank 0's full state dict (broadcast; the other ranks pass none), as FSDP2
-        users load a checkpoint into a model too big for one device."""
-        self.model.to_empty(device=compute_device())
+        users load a checkpoint into a model too big for one device; or, ``"meta assign"``, its tensors
+        assigned from a sharded state dict (``_assign_sharded_state``)."""
+        how = "load_state_dict(assign=True)" if self.config.init == "meta assign" else "to_empty"
+        if self.config.init == "meta assign":
+            self._assign_sharded_state()
+        else:
+            self.model.to_empty(device=compute_device())
         for path, param in self.model.named_parameters():
             self.ctx.true(
-                f"after to_empty {path}: materialised (not on the meta device)", not impl.local(param).is_meta
+                f"after {how} {path}: materialised (not on the meta device)", not impl.local(param).is_meta
             )
-        if self._layout_broken():
+        if self._layout_broken() or self.config.init == "meta assign":
             return  # a load into meta shards could only raise, and hide this
-        for module in self.model.modules():
-            if isinstance(module, Tied):
-                module.tie()
+        self._tie()
         full_state = build(self.config).state_dict() if self.ctx.rank == 0 else {}
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(self.model, full_state, options=options)
+
+    def _assign_sharded_state(self) -> None:
+        """Deferred init as torchtune loads a checkpoint: each rank makes the sharded state dict from the
+        full one (``distribute_tensor`` on each sharded tensor's mesh and placements, plain tensors whole) and
+        the meta-built sharded model takes its tensors by ``load_state_dict(assign=True)``: what it loaded is
+        what its next forward gathers and its optimizer steps (a copy of the old meta params would not train)."""
+        full, device = build(self.config).state_dict(), compute_device()
+        sharded = {}
+        for name, meta in self.model.state_dict().items():
+            whole = full[name].to(device)
+            if impl.is_sharded(meta):
+                whole = distribute_tensor(whole, impl.mesh_of(meta), list(impl.placements(meta)))
+            sharded[name] = whole
+        self.model.load_state_dict(sharded, assign=True)
+        self._tie()
+
+    def _tie(self) -> None:
+        for module in self.model.modules():
+            if isinstance(module, Tied):
+                module.tie()
 
     def _leave_gathered(self, how: str) -> None:
         """Before the cast: ``"eval"`` a forward under no_grad (the root and the calls not resharding

@@ -155,7 +155,9 @@ class Config:
     optimizer: str = "sgd"
     seed: int = 0
     even: bool = False  # every sharded dim a multiple of the ranks (an implementation without uneven shards)
-    init: str = ""  # "meta": built on the meta device, sharded, to_empty, rank 0's full state dict loaded
+    # "meta": built on the meta device, sharded, to_empty, rank 0's full state dict loaded; "meta assign": built
+    # on the meta device, sharded, a sharded state dict (made from the full one) loaded with assign=True
+    init: str = ""
     cast: str = ""  # after sharding: "to" (model.to(torch.float64)) or "double" (model.double())
     # what is gathered when the cast comes: "" nothing; "eval": a forward under torch.no_grad() just
     # before (the root and the calls not resharding after forward stay gathered); "unshard": every call unshard()-ed
@@ -166,6 +168,9 @@ class Config:
     # a head (module ``late``) run only on each step's last micro-batch: its params first get a grad on
     # the synced micro-batch (in the root's call), or its own call runs no forward on the held ones
     late: bool = False
+    # the ranks the ``late`` head runs on (every rank where empty): on the others its params get no grad
+    # in a step where the root's call reduces (a routed expert, a conditional branch: ranks_skip_params)
+    late_ranks: list[int] = field(default_factory=list)
     # every leaf returns a view of its output, and the root scales the body's output in place
     inplace_view: bool = False
     # every Linear leaf stores an intermediate on itself (``stored``) after its output; the loss adds it
@@ -179,6 +184,8 @@ class Config:
     # forwards per micro-batch before its one backward: 2, a forward of another batch first and the loss
     # the sum of both (DPO's chosen and rejected, a contrastive pair: two_forwards_one_backward)
     forwards: int = 1
+    # model.state_dict() taken right after sharding, before the first forward; its tensors read after training
+    early_state_dict: bool = False
 
     # -- JSON -----------------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -202,6 +209,11 @@ class Config:
     def hsdp(self) -> bool:
         return len(self.mesh) == 2
 
+    @property
+    def has_late(self) -> bool:
+        """Whether the model has the ``late`` head (run on the last micro-batch only, or on some ranks)."""
+        return self.late or bool(self.late_ranks)
+
     def size(self) -> dict[str, int]:
         """How big the configuration is: groups (fully_shard'ed modules), steps, leaves, world."""
         return {
@@ -223,8 +235,12 @@ class Config:
             used.add("activation_checkpointing")
         if self.prefetch:
             used.add("prefetch")
-        if self.init == "meta":
+        if self.init.startswith("meta"):
             used.add("deferred_init")
+        if self.init == "meta assign":
+            used.add("state_dict_assign")
+        if self.early_state_dict:
+            used.add("state_dict_before_forward")
         if self.cast:
             used.add("to_dtype")
         p = self.precision
@@ -269,6 +285,8 @@ class Config:
         if self.late:  # its own call skips the held micro-batches' forwards; in the root's, a late first grad
             own = any("late" in g.paths for g in self.groups)
             used.add("unit_skips_nosync_microbatches" if own else "first_grad_on_synced_microbatch")
+        if self.late_ranks:
+            used.add("ranks_skip_params")
         if self.inplace_view:
             used.add("inplace_on_output_view")
         if self.stored_loss:

@@ -110,6 +110,12 @@ FEATURES: dict[str, str] = {
     "two_forwards_one_backward": "two forwards (two batches) before one backward of their summed losses, "
     "as DPO's chosen and rejected, with or without activation checkpointing",
     "first_grad_on_synced_microbatch": "a param used only on a step's last micro-batch: its first grad comes synced",
+    "ranks_skip_params": "a param of a sharded call used on some ranks and not others in a step (a routed "
+    "expert, a conditional branch): the grads of DDP(find_unused_parameters=True)",
+    "state_dict_assign": "a meta-built sharded model given its tensors by load_state_dict(sharded_sd, assign=True) "
+    "(the sharded state dict made from a full one): the loaded tensors are what trains",
+    "state_dict_before_forward": "model.state_dict() taken before the first forward, its tensors read after "
+    "training: the trained params, as a plain model's state dict (it holds the params' storage)",
     "unit_skips_nosync_microbatches": "a sharded module run only on a step's last micro-batch, not the held ones",
     "inplace_on_output_view": "a sharded module returns a view of its output, a module above modifies it in place",
     "stored_intermediate_loss": "a module stores an intermediate on itself in forward, the loss adds a term read there",

@@ -6,9 +6,9 @@ first sharded module whose forward ran -- or ``reshard_after_forward`` is off), 
 and hooks the outputs so the group is unsharded again before its backward runs; that
 pre-backward hook also starts the all-gather of the group backward reaches next (the one whose
 forward finished just before), unless explicit backward-prefetch lists are set. The
-post-backward trigger fires when the
-grads w.r.t. the module's inputs are done, which is after its params' grads; modules whose
-inputs need no grad (the first layer) are finished by a callback at the end of backward.
+post-backward trigger fires when the grads w.r.t. the module's inputs are done, which is after
+its params' grads; modules whose inputs need no grad (the first layer) are finished by a
+callback at the end of backward.
 
 Training state of a module, per iteration::
 
@@ -220,6 +220,7 @@ class HSDPState:
             # torch tags public state-dict hooks with an attribute: give it a function, not a method
             module.register_state_dict_post_hook(functools.partial(HSDPState._sharded_state_dict, self)),
             module.register_load_state_dict_pre_hook(functools.partial(HSDPState._reshard_before_load, self)),
+            module.register_load_state_dict_post_hook(functools.partial(HSDPState._adopt_registered, self)),
         ]
         if param_group is not None:
             # a forward that raised leaves no saved-tensor hooks pushed
@@ -241,11 +242,18 @@ class HSDPState:
 
     # -- state dicts ------------------------------------------------------------------------
     def _sharded_state_dict(self, module: torch.nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
-        """State dicts always hold the sharded DTensors, even while the group is unsharded."""
+        """State dicts hold the sharded DTensors, even while unsharded; what the user registered since, adopted."""
+        if self.training_state is TrainingState.IDLE:
+            self._adopt_registered(module)
         for param, names in self._names_of_params:
             for name in names:
                 if prefix + name in state_dict:
                     state_dict[prefix + name] = param.sharded_param.detach()
+
+    def _adopt_registered(self, module: torch.nn.Module, *args: Any) -> None:
+        """A load with ``assign=True`` registered the loaded tensors: they are the sharded params from now on."""
+        if self.param_group is not None:
+            self.param_group.adopt_registered_params(self.mp_policy)
 
     def _reshard_before_load(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
         """Loading writes into the sharded params, so they must be the registered ones."""
