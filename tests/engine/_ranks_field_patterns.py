@@ -246,11 +246,12 @@ def params_some_ranks_skip(comm_fusion: bool, opt_in: bool) -> None:
     train_against(checks, model, reference, batches, square_mean, checks.tol, label=f"fusion={comm_fusion}")
 
 
-def grad_dtype_kept(reshard: Any) -> None:
+def grad_dtype_kept(reshard: Any, frozen_then: bool = False) -> None:
     """bf16 params given ``grad_dtype = float32`` before ``fully_shard``: the sharded params' grads are
     fp32 and equal the fp32 mean of every rank's fp32 grads (a plain bf16 model with the same grad_dtype,
     each rank's grads all-reduced), over two backwards accumulated into ``.grad``: terms below bf16's
-    resolution survive."""
+    resolution survive. ``frozen_then``: every param frozen while sharded, unfrozen after (torch keeps a
+    frozen param's grad_dtype; L4's find, 690dd2680a)."""
     checks = StrictChecks("FSDP 1D bf16")
     if not hasattr(torch.Tensor, "grad_dtype"):  # torch before 2.9: no grad_dtype for a user to set
         checks.true(f"torch {torch.__version__} has no grad_dtype", not hasattr(torch.Tensor, "grad_dtype"))
@@ -261,7 +262,11 @@ def grad_dtype_kept(reshard: Any) -> None:
     plain.load_state_dict(model.state_dict())
     for param in [*model.parameters(), *plain.parameters()]:
         param.grad_dtype = torch.float32
+        param.requires_grad_(not frozen_then)
     shard_nested(model, [model.body], mesh=checks.mesh, reshard_after_forward=reshard)
+    for param in model.parameters() if frozen_then else ():
+        param.requires_grad_(True)
+    plain.requires_grad_(True)
     batches = [x.to(torch.bfloat16) for x in rank_batches(checks.rank, (4, WIDTH), steps=2)]
     for x in batches:  # two backwards accumulate into .grad: in fp32 on both
         square_mean(model, x).backward()

@@ -62,6 +62,11 @@ def test_grad_dtype_kept(cluster, reshard):
     cluster.run(ranks.grad_dtype_kept, 2, reshard=reshard)
 
 
+def test_grad_dtype_of_params_frozen_while_sharded(cluster):
+    """``grad_dtype`` on params frozen at ``fully_shard``, unfrozen after: their grads still fp32 (L4, 690dd2680a)."""
+    cluster.run(ranks.grad_dtype_kept, 2, reshard=True, frozen_then=True)
+
+
 def test_optimizer_built_after_a_forward(cluster):
     """An optimizer over the copies a root keeps gathered after forward: refused at its step, with the fix."""
     cluster.run(ranks.optimizer_after_a_forward, 2)

@@ -292,7 +292,7 @@ class Invariants:
             if grad is None or ref_grad is None:
                 self.ctx.equal(f"{where} grad {path} present", grad is not None, ref_grad is not None)
                 continue
-            self._check_grad_kind(where, path, params[path], grad)
+            self._check_grad_kind(where, path, params[path], grad, ref_grad.dtype)
             whole = full(grad)
             self.ctx.close(f"{where} grad {path}", whole, ref_grad, self.tol.grad)
             total += whole.double().square().sum()

@@ -235,15 +235,16 @@ class Lifetimes:
         more = grown(before, held)
         self.ctx.equal(f"{where}: objects the implementation holds on the host beyond {first}'s", str(more), "[]")
 
-    def _check_grad_kind(self, where: str, path: str, param: nn.Parameter, grad: torch.Tensor) -> None:
-        """A grad is a plain leaf of its param's dtype, aliasing no param's data."""
+    def _check_grad_kind(self, where: str, path: str, param: nn.Parameter, grad: torch.Tensor, dtype: Any) -> None:
+        """A grad is a plain leaf of the promised grad dtype (its param's, or the ``grad_dtype`` the user
+        set), aliasing no param's data."""
         local = impl.local(grad)
         plain = grad.grad_fn is None and not grad.requires_grad
         self.ctx.true(
-            f"{where} grad {path}: a leaf tensor of the param's dtype",
-            plain and grad.dtype == param.dtype,
+            f"{where} grad {path}: a leaf tensor of the param's grad dtype",
+            plain and grad.dtype == dtype,
             f"{grad.dtype}, grad_fn {type(grad.grad_fn).__name__}",
-            str(param.dtype),
+            str(dtype),
         )
         params = {_storage_key(impl.local(p)) for p in self.model.parameters() if not impl.local(p).is_meta}
         self.ctx.true(f"{where} grad {path}: aliases no param's data", _storage_key(local) not in params)

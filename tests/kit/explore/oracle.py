@@ -63,7 +63,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
     def __init__(self, config: Config, ctx: CaseContext) -> None:
         self.config, self.ctx = config, ctx
         self.tol: Tolerance = tolerance(precision_row(config))
-        half = PRECISIONS[config.precision.name][0] != "fp32"
+        half = PRECISIONS[config.precision.name][0] != "fp32" or config.grad_dtype
         self.loss_scale = HALF_PRECISION_LOSS_SCALE if half else 1.0
         self.meshes = Meshes(ctx, config)
         with torch.device("meta") if config.init else contextlib.nullcontext():
@@ -97,6 +97,7 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
     # -- set-up --------------------------------------------------------------------------------
     def shard(self) -> None:
         """The configuration's fully_shard calls, bottom-up, then the layout checks."""
+        self._grad_dtype_before_sharding()
         by_id = {id(p): path for path, p in self.model.named_parameters()}
         self._watch_before_sharding()
         self._hook_before_sharding()

@@ -4,11 +4,13 @@ drawn where the implementation declares it, so each composes with every other fe
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import torch
 from hypothesis import strategies as st
 
-from tests.kit.explore.space import Config
+from tests.kit.explore.space import Config, Precision
 
 
 def one_in(draw: Any, n: int) -> bool:
@@ -22,6 +24,19 @@ def mostly(draw: Any) -> bool:
     simplest configurations should carry too (Hypothesis draws them at the ends of every range, so
     what ``one_in`` draws tends to come only with the other rare options)."""
     return draw(st.integers(1, 4)) > 1
+
+
+@functools.cache
+def grad_dtype_settable() -> bool:
+    """Whether this torch lets a bf16 param hold an fp32 ``.grad`` once its ``grad_dtype`` says so (2.9 has
+    ``grad_dtype``, but only autograd's accumulation follows it there): the reference sets its grads so."""
+    param = torch.nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))
+    try:
+        param.grad_dtype = torch.float32
+        param.grad = torch.zeros(1)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 @st.composite
@@ -46,6 +61,10 @@ def patterns(draw: Any, config: Config, features: frozenset[str]) -> None:
     config.calls_again = "list_module_called_again" in features and one_in(draw, 5)
     # the state dict's tensors hold the params' storage: a cast after sharding would leave a plain model's stale too
     config.early_state_dict = "state_dict_before_forward" in features and not config.cast and one_in(draw, 5)
+    plain_fp32 = config.precision == Precision() and not config.cast and not config.init  # (to_empty swaps params)
+    if "grad_dtype" in features and grad_dtype_settable() and plain_fp32 and one_in(draw, 5):
+        config.grad_dtype = True  # bf16 params, fp32 grads
+        config.optimizer = "sgd"  # torch's AdamW refuses a grad whose dtype is not its param's
     config.forwards = 2 if "two_forwards_one_backward" in features and one_in(draw, 5) else 1
 
 

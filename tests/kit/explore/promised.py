@@ -43,7 +43,7 @@ HOOK_MAPS = {"halve": _halve, "leaky": _leaky}
 def precision_row(config: Config) -> str:
     """The precision-matrix row judging a configuration."""
     param = PRECISIONS[config.precision.name][0]
-    if param == "bf16":
+    if param == "bf16" or config.grad_dtype:
         return "FSDP 1D bf16"
     if param == "fp16":
         return "FSDP 1D fp16"
@@ -126,6 +126,19 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
 
 
+def grad_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype of ``param``'s grads: its ``grad_dtype`` (torch 2.9 on; the param's dtype unless set)."""
+    return getattr(param, "grad_dtype", None) or param.dtype
+
+
+def bf16_with_fp32_grads(model: nn.Module) -> None:
+    """``grad_dtype``: the model's params cast to bf16 and given fp32 grads (pure bf16 training; the frozen
+    ones too: torch keeps it for when they are unfrozen)."""
+    model.to(torch.bfloat16)
+    for param in model.parameters():
+        param.grad_dtype = torch.float32
+
+
 class PromisedReference:
     """What the API promises, computed without sharding (module docstring)."""
 
@@ -136,10 +149,14 @@ class PromisedReference:
         self.master = build(config)
         if config.cast:  # the model under test is cast to float64 after sharding: its reference all along
             self.master.double()
+        if config.grad_dtype:  # bf16 params with fp32 grads, as the model under test is set up before sharding
+            bf16_with_fp32_grads(self.master)
         self.compute = copy.deepcopy(self.master)
+        if config.grad_dtype:
+            bf16_with_fp32_grads(self.compute)
         param, reduce = PRECISIONS[config.precision.name]
-        self.param_dtype = torch.float64 if config.cast else DTYPES[param]
-        self.reduce_dtype = DTYPES[reduce] if reduce else self.param_dtype
+        self.param_dtype = torch.float64 if config.cast else torch.bfloat16 if config.grad_dtype else DTYPES[param]
+        self.reduce_dtype = torch.float32 if config.grad_dtype else DTYPES[reduce] if reduce else self.param_dtype
         self.output_dtype = DTYPES[config.precision.output] if config.precision.output else None
         self.ops = ["avg"] * len(config.groups)  # the reduce op of each call's groups
         self.all_reduce = [True] * len(config.groups)
@@ -193,13 +210,14 @@ class PromisedReference:
             plan, master = self.plans[path], masters[path]
             unused = path in self.zeros_for and plan.kind != "ignored" and master.requires_grad
             if param.grad is None and unused:
-                param.grad = torch.zeros_like(param)
+                param.grad = torch.zeros_like(param, dtype=grad_dtype(param))
             if param.grad is None:
                 continue
             self.got_grad.add(path)
             grad, param.grad = param.grad, None
             if plan.kind == "ignored":
-                master.grad = grad.to(master.dtype) if master.grad is None else master.grad + grad.to(master.dtype)
+                grad = grad.to(grad_dtype(master))
+                master.grad = grad if master.grad is None else master.grad + grad
                 continue
             held = grad.to(self.reduce_dtype)
             if path in self._held:
@@ -208,7 +226,7 @@ class PromisedReference:
                 self._held[path] = held
                 continue
             carried, keeps = path in self._replica_parts, self._keeps_replica_part(plan)
-            reduced = self._reduce(held, plan).to(master.dtype)
+            reduced = self._reduce(held, plan).to(grad_dtype(master))
             landed = self._landed.pop(path, None)
             still_in = landed is not None and master.grad is not None and landed[0] is master.grad
             if keeps:  # a per-replica part: added now, replaced when the all-reduce next runs

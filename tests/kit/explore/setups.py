@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import distribute_tensor
 
 from tests.kit.explore.grammar import Tied, batch, build, loss_of
+from tests.kit.explore.promised import bf16_with_fp32_grads
 from tests.kit.judging.surface import impl
 from tests.kit.runtime.devices import compute_device
 
@@ -53,6 +54,12 @@ class SetUps:
                 kept = param is self.ignored_objects.get(path) and not impl.is_sharded(param)
                 self.ctx.true(label, kept, type(param).__name__)
 
+    def _grad_dtype_before_sharding(self) -> None:
+        """``grad_dtype``: the model cast to bf16 and its params given fp32 grads before the calls, as a user
+        of pure bf16 training does (the reference is set up the same way)."""
+        if self.config.grad_dtype:
+            bf16_with_fp32_grads(self.model)
+
     def _materialise(self) -> None:
         """Deferred init: the meta-built, sharded model's storage made on this rank's device, then
         filled from rank 0's full state dict (broadcast; the other ranks pass none), as FSDP2
@@ -82,7 +89,7 @@ class SetUps:
         full, device = build(self.config).state_dict(), compute_device()
         sharded = {}
         for name, meta in self.model.state_dict().items():
-            whole = full[name].to(device)
+            whole = full[name].to(device, meta.dtype)
             if impl.is_sharded(meta):
                 whole = distribute_tensor(whole, impl.mesh_of(meta), list(impl.placements(meta)))
             sharded[name] = whole

@@ -184,6 +184,9 @@ class Config:
     # forwards per micro-batch before its one backward: 2, a forward of another batch first and the loss
     # the sum of both (DPO's chosen and rejected, a contrastive pair: two_forwards_one_backward)
     forwards: int = 1
+    # pure bf16 training with fp32 grads: the model cast to bf16 before sharding (no policy), each trainable
+    # param given grad_dtype = float32 then: its grads computed, reduced and accumulated in fp32 (grad_dtype)
+    grad_dtype: bool = False
     # model.state_dict() taken right after sharding, before the first forward; its tensors read after training
     early_state_dict: bool = False
 
@@ -239,6 +242,8 @@ class Config:
             used.add("deferred_init")
         if self.init == "meta assign":
             used.add("state_dict_assign")
+        if self.grad_dtype:
+            used.add("grad_dtype")
         if self.early_state_dict:
             used.add("state_dict_before_forward")
         if self.cast:

@@ -337,8 +337,8 @@ class HSDPParam(GradientSide):
             self.on_grad()
 
     def _keep_grad_dtype(self, param: nn.Parameter) -> None:
-        """The user's ``grad_dtype`` on a param the engine made in place of theirs."""
-        if self.user_grad_dtype is not None and param.requires_grad:
+        """The user's ``grad_dtype`` on a param the engine made in place of theirs (frozen or not)."""
+        if self.user_grad_dtype is not None:
             param.grad_dtype = self.user_grad_dtype
 
     def use_unsharded(self) -> None:

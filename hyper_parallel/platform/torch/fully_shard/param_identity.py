@@ -49,8 +49,8 @@ def carry_user_hooks(old: torch.Tensor, new: torch.Tensor) -> None:
 
 def user_grad_dtype(param: torch.Tensor) -> torch.dtype | None:
     """The ``grad_dtype`` a user set on ``param`` where it differs from the param's dtype (torch 2.9 on;
-    earlier releases have none), else None."""
-    dtype = getattr(param, "grad_dtype", None) if param.requires_grad and param.is_leaf else None
+    earlier releases have none), else None; a frozen param's too, which torch keeps for when it is unfrozen."""
+    dtype = getattr(param, "grad_dtype", None) if param.is_leaf else None
     return dtype if dtype is not None and dtype != param.dtype else None
 
 

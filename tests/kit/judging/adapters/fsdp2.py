@@ -161,6 +161,9 @@ KNOWN_DEFECTS = {
     frozenset({"unit_skips_nosync_microbatches", "gradient_sync", "mixed_precision"}): "a call that runs no "
     "forward on a no-sync micro-batch under mixed precision: its post-backward reads a param never unsharded, "
     "\"'FSDPParam' object has no attribute '_unsharded_param'\" (pytorch#194058; replay 30e947c334)",
+    frozenset({"grad_dtype"}): "param.grad_dtype = float32 set on bf16 params before fully_shard: the sharded "
+    "params it makes drop it, grads come (and are reduced) in bf16 (pytorch#170648; replay 665a326093, one "
+    "rank; 2.9.1 raises assigning the fp32 grad instead)",
     frozenset({"ranks_skip_params"}): "a param of a group used on some ranks and not others in one step (a routed "
     "expert): the ranks that gave it no grad leave it out of their reduce-scatter, the collectives differ in "
     "size and gloo aborts the rank (pytorch#158719; replay 7a4b6ef1aa, 2 ranks; with the group's "
