@@ -159,8 +159,10 @@ def groups(
     if alone and "late" not in chosen:
         chosen.append("late")  # the late head in a call of its own
     nested = {"ignored_params", "ignored_params_nested"} <= features and halves
-    if nested and one_in(draw, 3):
-        half = draw(st.sampled_from(halves))
+    split = "tied_params_split_groups" in features and halves and one_in(draw, 4)  # the shared weight kept: F10
+    split_half = draw(st.sampled_from(halves)) if split else ""
+    if split_half or (nested and one_in(draw, 3)):
+        half = split_half or draw(st.sampled_from(halves))
         chosen.append(half)
         modules = {**modules, half: half.count(".") + 1}
     often = "unshard_in_backward" in features and (one_in(draw, 2) or one_in(draw, 2))  # 3 in 4; shrinks to no
@@ -187,7 +189,7 @@ def groups(
         managed.update(own)
         below = [p for p in under if p not in own]  # managed by a call below: naming them changes nothing
         if paths[0] in halves:
-            out.append(draw(_tied_half_options(config, paths[0], own, params, features, below)))
+            out.append(draw(_tied_half_options(config, paths[0], own, params, features, below, split_half == paths[0])))
             continue
         out.append(draw(group_options(config, paths, own, params, features, root=paths == [""], below=below)))
     return out
@@ -202,14 +204,17 @@ def _tied_half_options(
     params: dict[str, tuple[int, ...]],
     features: frozenset[str],
     below: list[str],
+    split: bool = False,
 ) -> Group:
     """The options of a call on a tied half: drawn as any call's for its other params, the shared
-    weight in its ignored_params."""
+    weight in its ignored_params; or, ``split``, the weight its own too (a tied embedding and head in
+    two calls, which the call above the other half meets again: FSDP2's F10)."""
     weight = f"{half}.weight"
     others = [p for p in own if p != weight]
     group = draw(group_options(config, [half], others, params, features, root=False, below=below))
-    group.ignored.append(weight)
-    group.tied_half = True
+    if not split:
+        group.ignored.append(weight)
+    group.tied_half, group.split_tie = not split, split
     return group
 
 

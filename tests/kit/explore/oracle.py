@@ -214,11 +214,14 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
 
     # -- training ------------------------------------------------------------------------------
     def run(self) -> None:
-        self.shard()
+        if self._refused_split_tie(self.shard):
+            return  # refused as promised: nothing sharded to train
         if self._layout_broken():
             return  # training on a wrong layout only repeats the failure, or raises and hides it
         self.trace = traced(self.model, self.reference)  # the diagnosis's (tests.kit.judging.divergence)
         opts = self._before_training()
+        if opts is None:
+            return  # the first forward refused a weight two calls share, as promised
         steps = self.config.steps
         for index, step in enumerate(steps):
             self._toggle(step.toggle)  # a module's params frozen or unfrozen, as a user does between steps

@@ -72,19 +72,43 @@ class Patterns:
     loss_scale: Any
     tol: Any
 
-    def _before_training(self) -> tuple[Any, Any]:
+    def _refused_split_tie(self, action: Any) -> bool:
+        """``tied_params_split_groups``: ``action`` (the calls, or a first forward) may refuse the weight two
+        calls share, by a ``ValueError`` or ``RuntimeError`` naming it (then True: nothing more to judge; FSDP2
+        2.13 and ours refuse at the first forward); where nothing refuses, training is judged as always (the
+        reference trains one tied weight)."""
+        if not self._split_tie:
+            action()
+            return False
+        try:
+            action()
+        except (ValueError, RuntimeError) as error:
+            text = str(error)
+            label = "a weight two fully_shard calls share (a tied pair split): refused naming it"
+            self.ctx.true(label, "weight" in text, text.splitlines()[0][:160] if text else "", "the weight named")
+            return True
+        return False
+
+    def _before_training(self) -> tuple[Any, Any] | None:
         """The optimizers of the model and the reference, built after a first forward where drawn
         (``freeze_through_lazy_init``, ``optimizer_after_forward``); before it, the model's state dict kept
-        where drawn (``state_dict_before_forward``)."""
+        where drawn (``state_dict_before_forward``). None where a first forward refused a weight two calls
+        share (``tied_params_split_groups``)."""
         self.early_state = self.model.state_dict() if self.config.early_state_dict else {}
         if not self.config.optimizer_late:
             opts = self._optimizer(self.model.parameters()), self._optimizer(self.reference.master.parameters())
+        if self._refused_split_tie(lambda: self._first_forward(frozen=False) if self._split_tie else None):
+            return None
         if self.config.freeze_first or self.config.optimizer_late:
             self._first_forward(frozen=self.config.freeze_first)
         if self.config.optimizer_late:
             opts = self._optimizer(self.model.parameters()), self._optimizer(self.reference.master.parameters())
             self._note_copies_held(opts[0])
         return opts
+
+    @property
+    def _split_tie(self) -> bool:
+        return any(group.split_tie for group in self.config.groups)
 
     def _check_early_state_dict(self) -> None:
         """``state_dict_before_forward``: after training, each param's tensor in the state dict taken before the

@@ -76,6 +76,9 @@ class Group:
     # the call takes the first half of a tied pair, the shared weight in its ignored_params: the calls
     # above reach that weight through the other half and must leave it alone too
     tied_half: bool = False
+    # the call takes the first half of a tied pair with the shared weight (not ignored): the call above the
+    # other half reaches that weight again, two groups for one param (tied_params_split_groups)
+    split_tie: bool = False
 
     @property
     def skips_backward_gather(self) -> bool:
@@ -283,6 +286,8 @@ class Config:
                 used.add("replicate_params")
             if g.offload:
                 used.add("cpu_offload")
+            if g.split_tie:
+                used.add("tied_params_split_groups")
             for placement in g.placements.values():
                 used.add("placement_replicate" if placement == "Replicate()" else "shard_placement_fn")
         if self.freeze_first:

@@ -112,6 +112,8 @@ FEATURES: dict[str, str] = {
     "first_grad_on_synced_microbatch": "a param used only on a step's last micro-batch: its first grad comes synced",
     "ranks_skip_params": "a param of a sharded call used on some ranks and not others in a step (a routed "
     "expert, a conditional branch): the grads of DDP(find_unused_parameters=True)",
+    "tied_params_split_groups": "the halves of a tied weight in two fully_shard calls (fully_shard(embed), "
+    "then the head's): refused naming the weight, at a call or the first forward, or trained as one tied param",
     "grad_dtype": "param.grad_dtype = float32 set on bf16 params before fully_shard (pure bf16 training): "
     "grads computed, reduced and accumulated in fp32",
     "state_dict_assign": "a meta-built sharded model given its tensors by load_state_dict(sharded_sd, assign=True) "
