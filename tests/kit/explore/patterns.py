@@ -43,7 +43,14 @@ reference (the plain model's result):
   own (``_first_of_two``), the loss the sum of both, one backward: every unit loose in the ledger
   (``_called_again``), each call may reduce once per forward's graph;
 - argument spellings: ``set_reduce_op_type`` given ``"SUM"`` or ``"Avg"`` (``_reduce_op``), which the
-  implementation takes as the lower case or refuses with a ``ValueError`` naming the argument and value.
+  implementation takes as the lower case or refuses with a ``ValueError`` naming the argument and value;
+- ``state_dict_before_forward`` (``Config.early_state_dict``): ``model.state_dict()`` taken before the first
+  forward and read after training (``_check_early_state_dict``): it holds the trained params, as a plain
+  model's does;
+- ``tied_params_split_groups`` (``Group.split_tie``): a tied pair's halves in two calls, refused naming the
+  weight at a call or a first forward (``_refused_split_tie``), or trained as one tied param.
+Two more live where they act: ``state_dict_assign`` (``setups.SetUps._assign_sharded_state``) and
+``grad_dtype`` (``promised.bf16_with_fp32_grads``, for both models).
 """
 
 from __future__ import annotations
@@ -91,9 +98,9 @@ class Patterns:
 
     def _before_training(self) -> tuple[Any, Any] | None:
         """The optimizers of the model and the reference, built after a first forward where drawn
-        (``freeze_through_lazy_init``, ``optimizer_after_forward``); before it, the model's state dict kept
-        where drawn (``state_dict_before_forward``). None where a first forward refused a weight two calls
-        share (``tied_params_split_groups``)."""
+        (``freeze_through_lazy_init``, ``optimizer_after_forward``); before them, the model's state dict kept
+        where drawn (``state_dict_before_forward``). A split tie's first forward comes after the optimizers
+        (which then hold the shards): None where it refused the weight (``tied_params_split_groups``)."""
         self.early_state = self.model.state_dict() if self.config.early_state_dict else {}
         if not self.config.optimizer_late:
             opts = self._optimizer(self.model.parameters()), self._optimizer(self.reference.master.parameters())
