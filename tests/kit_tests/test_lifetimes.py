@@ -91,15 +91,21 @@ def test_a_grad_of_another_dtype_or_aliasing_a_param_fails():
     model = nn.Linear(2, 2)
     probe = _Probe(model)
     weight = model.weight
-    probe._check_grad_kind("ok", "weight", weight, torch.zeros_like(weight))
-    probe._check_grad_kind("dtype", "weight", weight, torch.zeros(2, 2, dtype=torch.float64))
-    probe._check_grad_kind("alias", "weight", weight, model.bias.detach())
+    fp32 = torch.float32
+    probe._check_grad_kind("ok", "weight", weight, torch.zeros_like(weight), fp32)
+    probe._check_grad_kind("dtype", "weight", weight, torch.zeros(2, 2, dtype=torch.float64), fp32)
+    probe._check_grad_kind("alias", "weight", weight, model.bias.detach(), fp32)
     leaf = torch.ones(2, 2, requires_grad=True)
-    probe._check_grad_kind("graph", "weight", weight, leaf * 2)
+    probe._check_grad_kind("graph", "weight", weight, leaf * 2, fp32)
+    # grad_dtype: an fp32 grad of a bf16 param is right where fp32 is promised, wrong where it is not
+    half = nn.Parameter(torch.zeros(2, 2, dtype=torch.bfloat16))
+    probe._check_grad_kind("grad dtype kept", "weight", half, torch.zeros(2, 2), fp32)
+    probe._check_grad_kind("grad dtype lost", "weight", half, torch.zeros(2, 2, dtype=torch.bfloat16), fp32)
     assert probe.failed() == [
-        "dtype grad weight: a leaf tensor of the param's dtype",
+        "dtype grad weight: a leaf tensor of the param's grad dtype",
         "alias grad weight: aliases no param's data",
-        "graph grad weight: a leaf tensor of the param's dtype",
+        "graph grad weight: a leaf tensor of the param's grad dtype",
+        "grad dtype lost grad weight: a leaf tensor of the param's grad dtype",
     ]
 
 
