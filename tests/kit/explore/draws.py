@@ -254,6 +254,8 @@ def group_options(
         rows = [k for k in range(2, shard) if shard % k == 0] or sorted({1, shard})
         group.reshard_after_forward = draw(st.sampled_from(rows))
     draw(reduce_controls(group, features))
+    if config.calls_again or config.forwards > 1:  # a call may reduce twice in one backward, each part hooked
+        group.hook_map = "halve"  # (0b7a812c8f): a non-additive hook has no one promised result there
     if "unshard_in_backward" in features and paths == ["embed"] and (one_in(draw, 2) or one_in(draw, 2)):
         group.unshard_in_backward = False  # an embedding's backward needs its indices, not its weight
     if group.force_sum or not group.unshard_in_backward:
