@@ -1,14 +1,12 @@
 """Per-module hooks of one ``fully_shard`` group and the per-backward bookkeeping.
 
-A module's forward pre-hook casts inputs, unshards its group and attaches a post-backward
-trigger to the inputs that need grad; its forward hook reshards (unless it is a root -- the
-first sharded module whose forward ran -- or ``reshard_after_forward`` is off), casts outputs
-and hooks the outputs so the group is unsharded again before its backward runs; that
-pre-backward hook also starts the all-gather of the group backward reaches next (the one whose
-forward finished just before), unless explicit backward-prefetch lists are set. The
-post-backward trigger fires when the grads w.r.t. the module's inputs are done, which is after
-its params' grads; modules whose inputs need no grad (the first layer) are finished by a
-callback at the end of backward.
+A module's forward pre-hook casts inputs, unshards its group and attaches a post-backward trigger to the inputs that
+need grad; its forward hook reshards (unless it is a root -- the first sharded module whose forward ran -- or
+``reshard_after_forward`` is off), casts outputs and hooks the outputs so the group is unsharded again before its
+backward runs; that pre-backward hook also starts the all-gather of the group backward reaches next (the one whose
+forward finished just before), unless explicit backward-prefetch lists are set. The post-backward trigger fires when
+the grads w.r.t. the module's inputs are done, which is after its params' grads; modules whose inputs need no grad
+(the first layer) are finished by a callback at the end of backward.
 
 Training state of a module, per iteration::
 
