@@ -140,6 +140,12 @@ def generated() -> str:
 
     out += [
         "",
+        "A half-precision reduction's order (`reduction_order`, `ROUNDINGS_PER_ADDITION` ="
+        f" {tolerances.ROUNDINGS_PER_ADDITION:g}): a grad reduced in bf16 or fp16",
+        "is defined only up to the order of its sum, so L4 holds it to its row or to that many roundings of",
+        "the sum of its terms' magnitudes per addition, whichever is wider (element-wise; the row decides",
+        "wherever the sum is small). It bounds an order, measured on gloo; it is no looser row.",
+        "",
         "## Features a case may need",
         "",
         "From `tests/kit/judging/surface.py` (`FEATURES`). Every case needs `fully_shard`; the `needs` column",

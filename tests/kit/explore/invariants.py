@@ -287,17 +287,23 @@ class Invariants:
         params = dict(self.model.named_parameters())
         masters = dict(self.reference.master.named_parameters())
         total, ref_total = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        orders = torch.zeros((), dtype=torch.float64)
         for path in self.plans:
             grad, ref_grad = params[path].grad, masters[path].grad
             if grad is None or ref_grad is None:
                 self.ctx.equal(f"{where} grad {path} present", grad is not None, ref_grad is not None)
                 continue
             self._check_grad_kind(where, path, params[path], grad, ref_grad.dtype)
-            whole = full(grad)
-            self.ctx.close(f"{where} grad {path}", whole, ref_grad, self.tol.grad)
+            whole, order = full(grad), self.reference.order.get(path)
+            if order is None:
+                self.ctx.close(f"{where} grad {path}", whole, ref_grad, self.tol.grad)
+            else:  # reduced in half precision: the row, or the reduction order's bound where that is wider
+                self.ctx.close_each(f"{where} grad {path}", whole, ref_grad, self.tol.grad, order)
+                orders += order.double().square().sum()
             total += whole.double().square().sum()
             ref_total += ref_grad.double().square().sum()
-        self.ctx.close(f"{where} grad norm", total.sqrt(), ref_total.sqrt(), self.tol.grad)
+        norm_tol = max(self.tol.grad, orders.sqrt().item())  # |a| - |b| <= |a - b|: the orders' norm bounds it
+        self.ctx.close(f"{where} grad norm", total.sqrt(), ref_total.sqrt(), norm_tol)
         self.trace.begin(where)  # the diagnosis's, where it runs: the grads as the step is about to use them
         self.trace.grads({p: params[p] for p in self.plans}, {p: masters[p] for p in self.plans})
 

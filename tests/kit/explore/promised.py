@@ -21,6 +21,7 @@ from tests.kit.explore.grammar import build
 from tests.kit.explore.space import PRECISIONS, Config
 from tests.kit.judging.checks import CaseContext
 from tests.kit.judging.surface import impl
+from tests.kit.judging.tolerances import reduction_order
 from tests.kit.runtime.torch_compat import averages
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -171,6 +172,10 @@ class PromisedReference:
         # params that get zeros where this rank's backward gives them no grad (another rank's may: DDP's
         # find_unused_parameters rule), set by the driver per micro-batch (``ranks_skip_params``)
         self.zeros_for: set[str] = set()
+        # per master grad, element-wise: how far the order of its half-precision reductions may move it
+        # (the registry's reduction_order; none where the reduce dtype is fp32 or wider)
+        self.order: dict[str, torch.Tensor] = {}
+        self._order_now: torch.Tensor | None = None  # the last _reduce's
         for group in config.groups:
             for path in group.paths:
                 module = self.compute.get_submodule(path) if path else self.compute
@@ -226,7 +231,9 @@ class PromisedReference:
                 self._held[path] = held
                 continue
             carried, keeps = path in self._replica_parts, self._keeps_replica_part(plan)
+            had_grad = master.grad is not None
             reduced = self._reduce(held, plan).to(grad_dtype(master))
+            self._add_order(path, had_grad)
             landed = self._landed.pop(path, None)
             still_in = landed is not None and master.grad is not None and landed[0] is master.grad
             if keeps:  # a per-replica part: added now, replaced when the all-reduce next runs
@@ -237,6 +244,14 @@ class PromisedReference:
                 master.grad = reduced if landed[1] is None else landed[1] + reduced
             else:
                 master.grad = reduced if master.grad is None else master.grad + reduced
+
+    def _add_order(self, path: str, had_grad: bool) -> None:
+        """The order bound of the reduction just made, added to what ``path``'s master grad held."""
+        now, self._order_now = self._order_now, None
+        if now is None:
+            return
+        kept = self.order.get(path) if had_grad else None
+        self.order[path] = now if kept is None else kept + now
 
     def _keeps_replica_part(self, plan: ParamPlan) -> bool:
         """Whether a reduction of ``plan``'s param now lands a per-replica part (HSDP, all-reduce off)."""
@@ -256,7 +271,8 @@ class PromisedReference:
     def _reduce(self, grad: torch.Tensor, plan: ParamPlan) -> torch.Tensor:
         """The reduction promised for one param: the sum over its ranks divided by the call's divide
         factor where set (else the op's mean or sum), then the all-reduce hook (where the reduction
-        ends in the all-reduce: not on a 2-D mesh with the all-reduce off), then the scaling factor."""
+        ends in the all-reduce: not on a 2-D mesh with the all-reduce off), then the scaling factor.
+        In half precision it also sums the terms' magnitudes: its order's bound (``_order_now``)."""
         group = self.config.groups[plan.group]
         shards, replicas = self.meshes.shard_group(plan.mesh), self.meshes.replicate_group(plan.mesh)
         mean = self.ops[plan.group] == "avg" and group.divide_factor is None
@@ -265,7 +281,11 @@ class PromisedReference:
         grad = grad.contiguous()
         if group.divide_factor is not None:
             grad = grad * (1.0 / group.divide_factor)
+        half = self.reduce_dtype in (torch.bfloat16, torch.float16)
+        magnitude = grad.detach().double().abs() if half else None  # the sum of the terms' magnitudes
         dist.all_reduce(grad, op=op, group=shards)
+        if magnitude is not None:
+            dist.all_reduce(magnitude, group=shards)
         ranks = shards.size()
         as_sum = ranks if op == dist.ReduceOp.AVG else 1  # what turns the collective's output into the sum
         if self._keeps_replica_part(plan):
@@ -275,15 +295,29 @@ class PromisedReference:
             kept = self._replica_parts.pop(plan.path, None)
             if kept is not None:  # the parts kept since the all-reduce was last on, reduced with this one
                 grad = grad + kept / as_sum
+                magnitude = None if magnitude is None else magnitude + kept.detach().double().abs()
             dist.all_reduce(grad, op=op, group=replicas)
+            if magnitude is not None:
+                dist.all_reduce(magnitude, group=replicas)
             ranks *= replicas.size()
         if mean and op == dist.ReduceOp.SUM:
             grad.div_(ranks)
+        self._order_now = None if magnitude is None else self._order_of(magnitude, ranks, mean)
         if group.hook and (replicas is None or self.all_reduce[plan.group]):
             HOOK_MAPS[group.hook_map](grad)  # on the sum over every rank (the replicas' too)
         if group.scaling_factor is not None:
             grad = grad * group.scaling_factor
+            if self._order_now is not None:
+                self._order_now = self._order_now * abs(group.scaling_factor)
         return grad
+
+    def _order_of(self, magnitude: torch.Tensor, ranks: int, mean: bool) -> torch.Tensor:
+        """How far another order of a half-precision reduction over ``ranks`` (a mean where ``mean``)
+        may move its result, element-wise, from the sum of its terms' magnitudes (a bound on every
+        partial sum). The hooks' maps (halving, negatives halved) move it less, never more."""
+        to_mean = ranks if mean else 1
+        additions = ranks - 1 + (1 if mean and ranks & (ranks - 1) else 0)  # an inexact division rounds once more
+        return reduction_order(magnitude, additions, self.reduce_dtype) / to_mean
 
     def master_dtype(self, path: str) -> torch.dtype:
         """The dtype the sharded param ``path`` is promised to have (its master's)."""
@@ -291,6 +325,7 @@ class PromisedReference:
 
     def zero_grad(self, set_to_none: bool) -> None:
         self._held.clear()
+        self.order.clear()
         self._landed.clear()  # the kept per-replica parts stay (FSDP2's rule), no longer in a grad
         for param in self.master.parameters():
             if set_to_none:

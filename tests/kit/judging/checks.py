@@ -127,6 +127,20 @@ class CaseContext:
         shown_ref = as_number(ref) if ref.numel() == 1 else f"tensor{tuple(ref.shape)}"
         return self._record(name, shown_ours, shown_ref, tol, passed, error, kind="close")
 
+    def close_each(self, name: str, measured: Any, reference: Any, tol: float, allowed: torch.Tensor) -> bool:
+        """Element-wise ``|measured - reference| <= max(tol, allowed)``: ``allowed`` a per-element
+        bound the arithmetic itself sets (the registry's ``reduction_order``), the row's ``tol`` below it."""
+        ours, ref = self._tensor(measured), self._tensor(reference)
+        if ours.shape != ref.shape or allowed.shape != ref.shape:
+            return self.close(name, measured, reference, tol)
+        difference = (ours.double() - ref.double()).abs()
+        bound = allowed.double().clamp(min=tol)
+        error = difference.max().item() if ours.numel() else 0.0
+        passed = math.isfinite(error) and bool((difference <= bound).all())
+        shown = f"tensor{tuple(ours.shape)}"
+        widest = bound.max().item() if ours.numel() else tol
+        return self._record(name, shown, f"tensor{tuple(ref.shape)}", widest, passed, error, kind="close")
+
     def equal(self, name: str, measured: Any, reference: Any) -> bool:
         """Exact equality: bitwise for tensors, ``==`` otherwise."""
         if isinstance(measured, torch.Tensor) or isinstance(reference, torch.Tensor):

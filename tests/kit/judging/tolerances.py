@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -45,6 +47,27 @@ SPECIFIC: dict[str, float] = {
     # (chunked cross entropy, expert dispatch against a per-token loop)
     "reordered fp32": 1e-6,
 }
+
+
+# A reduction in a half-precision dtype is defined only up to the order of its sum: a ring, a tree
+# or a flat buffer of several params adds the ranks' terms in its own order, and each of the
+# ranks - 1 additions rounds to the dtype. One rounding of a sum can exceed a half-precision row's
+# absolute tolerance (one bf16 ulp of 1.9 is 7.8e-3), so a reduced half-precision grad is held to the
+# row or to this many roundings of its sum per addition, whichever is larger (measured 2026-12-07:
+# gloo's bf16 all-reduce of the same 16 values on 4 ranks, alone and inside a 64-element buffer,
+# differs in 5 or 6 of the 16 by one rounding). It is an order's bound, not a looser row: where
+# the sum is small enough that its rounding is under the row, the row alone decides.
+ROUNDINGS_PER_ADDITION = 1.0
+
+
+def reduction_order(sum_magnitude: torch.Tensor, additions: int, dtype: torch.dtype) -> torch.Tensor:
+    """Per element, how far two orders of a sum of ``additions + 1`` terms may lie apart in ``dtype``
+    (``sum_magnitude``: the sum's magnitude, as a bound on every partial sum's): an ulp of the sum
+    per addition, ``ROUNDINGS_PER_ADDITION`` times."""
+    magnitude = sum_magnitude.detach().double().abs()
+    _, exponent = torch.frexp(magnitude)  # magnitude = m * 2**exponent, m in [0.5, 1)
+    ulp = torch.ldexp(torch.full_like(magnitude, torch.finfo(dtype).eps), exponent - 1)
+    return torch.where(magnitude > 0, ulp, torch.zeros_like(ulp)) * (ROUNDINGS_PER_ADDITION * max(additions, 0))
 
 
 def tolerance(config: str) -> Tolerance:
