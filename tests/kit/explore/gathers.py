@@ -71,12 +71,13 @@ class GatherLedger:
         """The all-gathers the coming forward issues, where no unit's state is unknown."""
         return sum(calls for unit, calls in self.calls.items() if unit not in self.unsharded)
 
-    def backward(self, reached: set[int], recompute: bool, idle: frozenset[Unit] = frozenset()) -> Bounds:
+    def backward(self, reached: set[int], regathers: int, idle: frozenset[Unit] = frozenset()) -> Bounds:
         """(least, most) elements the backward just run had to all-gather, the units as forward left
-        them: every unit it reached and needs that is not unsharded, once; at most once more each
-        under activation checkpointing (``recompute``); a unit it did not reach at most once (a
+        them: every unit it reached and needs that is not unsharded, once; a unit it did not reach at most once (a
         prefetch ahead of a need that never came). ``idle``: units of reached calls that ran no
-        forward (a list call's module, each a group of its own): not reached."""
+        forward (a list call's module, each a group of its own): not reached. Each at most ``regathers``
+        times more: a recompute under activation checkpointing that reshards gathers again what it runs,
+        reached or not (a frozen module's forward is recomputed too)."""
         least = most = 0
         for unit in self.sizes:
             if unit in self.skip_backward:
@@ -84,7 +85,7 @@ class GatherLedger:
             low, high = self._gather(unit)
             hit = unit[0] in reached and unit not in idle
             least += low if hit else 0
-            most += high * (2 if hit and recompute else 1)
+            most += high * (1 + regathers)  # a recompute runs a forward whether or not backward needs the unit
         return least, most
 
     def mark(self, units: Iterable[Unit], unsharded: bool) -> None:

@@ -128,10 +128,11 @@ class Invariants:
         return checkpointed(self.config.body)
 
     @property
-    def regathers(self) -> bool:
-        """Whether a backward may gather a module twice: a recompute, where the implementation says its
-        recompute may reshard (``Implementation.recompute_gathers_again``; ours keeps it gathered)."""
-        return self.recompute and impl.recompute_gathers_again
+    def regathers(self) -> int:
+        """How many times more than once a backward may gather a module: once, under activation
+        checkpointing, where the implementation says its recompute may reshard
+        (``Implementation.recompute_gathers_again``; ours keeps it gathered: none)."""
+        return 1 if self.recompute and impl.recompute_gathers_again else 0
 
     def _resharded_after_forward(self) -> list[bool | int]:
         """Each call's effective reshard_after_forward: None reshards all but the root; an int ``k``
