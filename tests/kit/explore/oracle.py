@@ -353,9 +353,6 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
         self.trace.begin(where)
         root = self.hsdp_modules[-1][0]
         last = micro == len(step.micro) - 1
-        if step.all_reduce_last_only:  # HSDP accumulation, FSDP2's idiom: the last micro-batch all-reduces
-            root.set_requires_all_reduce(last)
-            self.reference.all_reduce = [last] * len(self.config.groups)
         if step.hold_with_last_backward:
             root.set_is_last_backward(last)
         elif step.sync_group is None:
@@ -363,6 +360,11 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
         else:  # only this call holds back; the others reduce at every backward
             for module in self.hsdp_modules[step.sync_group]:
                 module.set_requires_gradient_sync(syncs, recurse=False)
+        if step.all_reduce_last_only:  # HSDP accumulation, FSDP2's idiom: the last micro-batch all-reduces
+            # after the sync setter: FSDP2's set_requires_gradient_sync sets the all-reduce too (its docs:
+            # "for HSDP, this controls both"), so the other order would all-reduce every micro-batch
+            root.set_requires_all_reduce(last)
+            self.reference.all_reduce = [last] * len(self.config.groups)
         args, kwargs = batch(self.config, step_index, micro, self.ctx.rank)
         self._late_switch(last, starts=True)  # the late head runs on the last micro-batch only
         self.after_forward.clear()
