@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from tests.kit.judging.checks import StrictChecks
-from tests.kit.judging.recorder import CollectiveRecorder
+from tests.kit.judging.recorder import CollectiveRecorder, record_collectives
 from tests.kit.judging.reference import ddp_of
+from tests.kit.judging.surface import impl
 from tests.kit.workloads.models import MLP, rank_batch, rank_batches
 from tests.kit.workloads.training import (
     grad_norm,
@@ -61,6 +62,34 @@ def gradient_sync_recurse_false() -> None:
         accumulate=lambda holding: model.set_requires_gradient_sync(not holding, recurse=False),
         after_micro=after_micro,
     )
+
+
+def gradient_sync_sets_the_all_reduce() -> None:
+    """HSDP (2 replicas of 1 shard): set_requires_gradient_sync(True) after set_requires_all_reduce(False)
+    all-reduces again (FSDP2's documented rule: on HSDP it sets both); set_requires_all_reduce(False)
+    after it turns the all-reduce alone off. Each backward's all-reduces counted, the grads as DDP's or
+    as each replica's own."""
+    checks = StrictChecks("HSDP 2D fp32", replicate=2, shard=1)
+    model = MLP(DIMS)
+    ddp = ddp_of(model)
+    impl.fully_shard(model, mesh=checks.mesh)
+    batch = rank_batch(0, checks.rank, (4, DIMS[0]))
+    for order, all_reduced in (("all-reduce off, then sync on", True), ("sync on, then all-reduce off", False)):
+        model.zero_grad(set_to_none=True)
+        ddp.zero_grad(set_to_none=True)
+        if all_reduced:
+            model.set_requires_all_reduce(False)
+            model.set_requires_gradient_sync(True)
+        else:
+            model.set_requires_gradient_sync(True)
+            model.set_requires_all_reduce(False)
+        with record_collectives() as rec:
+            square_mean(model, batch).backward()
+        checks.equal(f"{order}: all-reduces issued", len(rec.of("all_reduce")) > 0, all_reduced)
+        if all_reduced:  # the sum over both replicas, as DDP's
+            square_mean(ddp, batch).backward()
+            record_grads(checks, order, model, ddp, checks.tol.grad)
+    model.set_requires_all_reduce(True)
 
 
 class _FailingBackward(torch.autograd.Function):

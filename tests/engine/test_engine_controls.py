@@ -16,6 +16,12 @@ def test_gradient_sync_recurse_false(cluster):
     cluster.run(ranks.gradient_sync_recurse_false, 2)
 
 
+def test_gradient_sync_sets_the_all_reduce_as_fsdp2s(cluster):
+    """On HSDP, set_requires_gradient_sync(True) turns the all-reduce back on (FSDP2's rule);
+    set_requires_all_reduce(False) after it turns it off alone."""
+    cluster.run(ranks.gradient_sync_sets_the_all_reduce, 2)
+
+
 @pytest.mark.parametrize("failing", ["forward", "backward"])
 def test_recovers_after_a_failed_iteration(cluster, failing):
     """After a forward or a backward that raised, training still equals DDP; no plan case covers it."""

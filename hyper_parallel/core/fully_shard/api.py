@@ -91,11 +91,14 @@ class HSDPModule:
         return [s.param_group for s in self._hsdp_states(recurse) if s.param_group is not None]
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """False: backward does not communicate; unsharded grads accumulate until a True backward."""
+        """False: backward does not communicate; unsharded grads accumulate until a True backward. On HSDP
+        it sets the all-reduce over the replicas too, as FSDP2's does (``set_requires_all_reduce`` after it
+        turns that alone off again)."""
         _check_bool("requires_gradient_sync", requires_gradient_sync)
         _check_bool("recurse", recurse)
         for group in self._groups(recurse):
             group.requires_gradient_sync = requires_gradient_sync
+            group.requires_all_reduce = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP only: False skips the all-reduce over the replicate dim (reduce-scatter still runs)."""

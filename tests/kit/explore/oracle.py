@@ -300,10 +300,8 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
         module = self.hsdp_modules[index][0]
         if how == "sync" or how == "then reshard":
             self.ctx.true(f"unshard() of call {index} returns None", module.unshard() is None)
-        else:
-            handle = module.unshard(async_op=True)
-            if handle is not None:
-                handle.wait()
+        elif (handle := module.unshard(async_op=True)) is not None:
+            handle.wait()
         if how == "then reshard":
             module.reshard()
         self.gathers.mark([self._first_unit(index)], how != "then reshard")
@@ -319,17 +317,9 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
     def _controls(self, step: Any) -> None:
-        root = self.hsdp_modules[-1][0]
-        ref = self.reference
         if step.reduce_op:
             self._reduce_op(step.reduce_op, step.reduce_op_group)
-        if step.all_reduce is not None and step.all_reduce_group is None:
-            root.set_requires_all_reduce(step.all_reduce)
-            ref.all_reduce = [step.all_reduce] * len(ref.all_reduce)
-        elif step.all_reduce is not None:
-            for module in self.hsdp_modules[step.all_reduce_group]:
-                module.set_requires_all_reduce(step.all_reduce, recurse=False)
-            ref.all_reduce[step.all_reduce_group] = step.all_reduce
+        self._all_reduce_controls(step)
         for setter, control in (
             ("set_reshard_after_forward", step.reshard_after_forward),
             ("set_reshard_after_backward", step.reshard_after_backward),
@@ -348,6 +338,16 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
             getattr(module, setter)(flag, recurse=False)
         settings[index] = flag
 
+    def _all_reduce_controls(self, step: Any) -> None:
+        """The step's set_requires_all_reduce (on the root, or one call's modules), and the reference's: after
+        every sync setter, which sets the all-reduce too (FSDP2's rule), as its users order them."""
+        group, flag = step.all_reduce_group, step.all_reduce
+        modules = [] if flag is None else [self.hsdp_modules[-1][0]] if group is None else self.hsdp_modules[group]
+        for module in modules:
+            module.set_requires_all_reduce(flag, **({} if group is None else {"recurse": False}))
+        for i in [] if flag is None else range(len(self.reference.all_reduce)) if group is None else [group]:
+            self.reference.all_reduce[i] = flag
+
     def _micro(self, step_index: int, micro: int, step: Any, syncs: bool) -> None:
         where = f"step {step_index} micro {micro}"
         self.trace.begin(where)
@@ -357,12 +357,13 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
             root.set_is_last_backward(last)
         elif step.sync_group is None:
             root.set_requires_gradient_sync(syncs)
+            self.reference.all_reduce = [syncs] * len(self.config.groups)
         else:  # only this call holds back; the others reduce at every backward
             for module in self.hsdp_modules[step.sync_group]:
                 module.set_requires_gradient_sync(syncs, recurse=False)
+            self.reference.all_reduce[step.sync_group] = syncs
+        self._all_reduce_controls(step)
         if step.all_reduce_last_only:  # HSDP accumulation, FSDP2's idiom: the last micro-batch all-reduces
-            # after the sync setter: FSDP2's set_requires_gradient_sync sets the all-reduce too (its docs:
-            # "for HSDP, this controls both"), so the other order would all-reduce every micro-batch
             root.set_requires_all_reduce(last)
             self.reference.all_reduce = [last] * len(self.config.groups)
         args, kwargs = batch(self.config, step_index, micro, self.ctx.rank)
