@@ -494,3 +494,26 @@ def test_a_passing_baseline_is_reused_for_the_same_tree_only(tmp_path: Path, mon
     verdicts["outcome"] = "failed"
     assert not passes() and not passes() and len(calls) == 4  # a changed tree runs; failures are not cached
     progress.close()
+
+
+def test_reach_reads_only_as_the_harness_and_names_the_unmutated_tree_first():
+    from tools.mutants.reach import mutant_ids
+
+    assert mutant_ids("83,none,75") == ["none", "75", "83"]
+    assert mutant_ids("71-73") == ["71", "72", "73"]
+    with pytest.raises(MutantError, match="999"):
+        mutant_ids("75,999")
+
+
+def test_reach_table_tells_a_covering_kill_from_a_draw_kill_and_a_survivor():
+    from tools.mutants.reach import table
+
+    rows = [
+        {"mutant": "83", "seed": 0, "killed": False, "ran": 351, "covering": 51, "at": None},
+        {"mutant": "83", "seed": 1, "killed": True, "ran": 68, "covering": 51, "at": 68},
+        {"mutant": "20", "seed": 0, "killed": True, "ran": 9, "covering": 51, "at": 9},
+        {"mutant": "20", "seed": 1, "error": "no outcome within 1800 s"},
+    ]
+    lines = table(rows, [0, 1, 2]).splitlines()
+    assert lines[2] == "| 83 | survives 351 | killed d17 | - |"
+    assert lines[3] == "| 20 | killed c9 | error | - |"
