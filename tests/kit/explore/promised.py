@@ -175,7 +175,6 @@ class PromisedReference:
         # per master grad, element-wise: how far the order of its half-precision reductions may move it
         # (the registry's reduction_order; none where the reduce dtype is fp32 or wider)
         self.order: dict[str, torch.Tensor] = {}
-        self._order_now: torch.Tensor | None = None  # the last _reduce's
         for group in config.groups:
             for path in group.paths:
                 module = self.compute.get_submodule(path) if path else self.compute
@@ -231,9 +230,11 @@ class PromisedReference:
                 self._held[path] = held
                 continue
             carried, keeps = path in self._replica_parts, self._keeps_replica_part(plan)
-            had_grad = master.grad is not None
-            reduced = self._reduce(held, plan).to(grad_dtype(master))
-            self._add_order(path, had_grad)
+            reduced, order = self._reduce(held, plan)
+            reduced = reduced.to(grad_dtype(master))
+            if order is not None:  # added to the bound of what the master grad holds
+                kept = self.order.get(path) if master.grad is not None else None
+                self.order[path] = order if kept is None else kept + order
             landed = self._landed.pop(path, None)
             still_in = landed is not None and master.grad is not None and landed[0] is master.grad
             if keeps:  # a per-replica part: added now, replaced when the all-reduce next runs
@@ -244,14 +245,6 @@ class PromisedReference:
                 master.grad = reduced if landed[1] is None else landed[1] + reduced
             else:
                 master.grad = reduced if master.grad is None else master.grad + reduced
-
-    def _add_order(self, path: str, had_grad: bool) -> None:
-        """The order bound of the reduction just made, added to what ``path``'s master grad held."""
-        now, self._order_now = self._order_now, None
-        if now is None:
-            return
-        kept = self.order.get(path) if had_grad else None
-        self.order[path] = now if kept is None else kept + now
 
     def _keeps_replica_part(self, plan: ParamPlan) -> bool:
         """Whether a reduction of ``plan``'s param now lands a per-replica part (HSDP, all-reduce off)."""
@@ -268,11 +261,11 @@ class PromisedReference:
         self._replica_parts.clear()
         self._landed.clear()
 
-    def _reduce(self, grad: torch.Tensor, plan: ParamPlan) -> torch.Tensor:
+    def _reduce(self, grad: torch.Tensor, plan: ParamPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The reduction promised for one param: the sum over its ranks divided by the call's divide
         factor where set (else the op's mean or sum), then the all-reduce hook (where the reduction
         ends in the all-reduce: not on a 2-D mesh with the all-reduce off), then the scaling factor.
-        In half precision it also sums the terms' magnitudes: its order's bound (``_order_now``)."""
+        With it, in half precision, its order's bound from the terms' magnitudes summed alike (else None)."""
         group = self.config.groups[plan.group]
         shards, replicas = self.meshes.shard_group(plan.mesh), self.meshes.replicate_group(plan.mesh)
         mean = self.ops[plan.group] == "avg" and group.divide_factor is None
@@ -302,14 +295,13 @@ class PromisedReference:
             ranks *= replicas.size()
         if mean and op == dist.ReduceOp.SUM:
             grad.div_(ranks)
-        self._order_now = None if magnitude is None else self._order_of(magnitude, ranks, mean)
+        order = None if magnitude is None else self._order_of(magnitude, ranks, mean)
         if group.hook and (replicas is None or self.all_reduce[plan.group]):
             HOOK_MAPS[group.hook_map](grad)  # on the sum over every rank (the replicas' too)
         if group.scaling_factor is not None:
             grad = grad * group.scaling_factor
-            if self._order_now is not None:
-                self._order_now = self._order_now * abs(group.scaling_factor)
-        return grad
+            order = None if order is None else order * abs(group.scaling_factor)
+        return grad, order
 
     def _order_of(self, magnitude: torch.Tensor, ranks: int, mean: bool) -> torch.Tensor:
         """How far another order of a half-precision reduction over ``ranks`` (a mean where ``mean``)
