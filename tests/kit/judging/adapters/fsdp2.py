@@ -186,6 +186,11 @@ KNOWN_DEFECTS = {
     "mesh) until the next post-forward reshard, for good once reshard_after_forward is off (replay 7b1fd1db2c)",
     frozenset({"reshard_int", "dcp"}): "the same rows left set by to_sharded(): a state_dict() taken between "
     "forward and backward reshards a group held in rows and keeps them (replay 69e4e861d3)",
+    frozenset({"activation_checkpointing", "prefetch"}): "a module's set_modules_to_forward_prefetch list "
+    "fires again when a re-entrant checkpoint recomputes the module inside backward: it all-gathers a module "
+    "whose backward has already run and resharded it, a wasted all-gather held to the end of backward "
+    "(NVIDIA-NeMo/Automodel #3373 on 2.13.0; keyed by both features, as L4's features do not tell a re-entrant "
+    "checkpoint from a non-re-entrant one; replay ea194c227a)",
     frozenset({"optimizer_after_forward"}): "the optimizer built after a warm-up forward, a call that kept its "
     "params gathered (the root by default): model.parameters() lists the unsharded copies, the optimizer steps "
     "them and the sharded params never change, silently (pytorch#149205; replay 49fd566fb8, the 3rd draw)",
