@@ -339,13 +339,13 @@ class Example(Invariants, Timing, Received, SetUps, UserHooks, Lifetimes, Patter
         settings[index] = flag
 
     def _all_reduce_controls(self, step: Any) -> None:
-        """The step's set_requires_all_reduce (on the root, or one call's modules), and the reference's: after
-        every sync setter, which sets the all-reduce too (FSDP2's rule), as its users order them."""
+        """The step's set_requires_all_reduce and the reference's: after the sync setter, which sets it too (FSDP2)."""
         group, flag = step.all_reduce_group, step.all_reduce
-        modules = [] if flag is None else [self.hsdp_modules[-1][0]] if group is None else self.hsdp_modules[group]
-        for module in modules:
+        if flag is None:
+            return
+        for module in [self.hsdp_modules[-1][0]] if group is None else self.hsdp_modules[group]:
             module.set_requires_all_reduce(flag, **({} if group is None else {"recurse": False}))
-        for i in [] if flag is None else range(len(self.reference.all_reduce)) if group is None else [group]:
+        for i in range(len(self.reference.all_reduce)) if group is None else [group]:
             self.reference.all_reduce[i] = flag
 
     def _micro(self, step_index: int, micro: int, step: Any, syncs: bool) -> None:
